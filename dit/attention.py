@@ -1,0 +1,83 @@
+"""Local attention kernels and the attention seam the DiT calls.
+
+The model never decides *how* attention is computed. Each self-attention call goes through an
+``AttentionFn`` that it is handed for the current micro-batch:
+
+    attention(q, k, v) -> out        q, k, v, out: (n_local, heads, head_dim)
+
+``n_local`` is the number of tokens this process holds. In a single process that is the whole packed
+micro-batch and ``PackedAttention`` below does block-diagonal (per-clip) attention. Under context
+parallelism ``dynamic_cp`` hands the model a function that closes over the process group and the
+global packing instead; the model code is the same.
+
+Legend: n = packed tokens, h = heads, d = head dim, b = clips in the micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+try:  # flash-attn is an optional CUDA extra; the CPU path never needs it.
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor | list[int]) -> torch.Tensor:
+    """(b,) lengths -> (b+1,) int32 cumulative offsets, the layout flash-attn's varlen API uses."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int32)
+    return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+) -> torch.Tensor:
+    """Bidirectional attention of segment i of q over segment i of k/v, for every segment.
+
+    q: (nq, h, d), k/v: (nk, h, d), cu_seqlens_*: (b+1,) offsets. Segments may be empty (a clip with no
+    tokens on this rank). Returns (nq, h, d). Uses flash-attn varlen on CUDA in half precision when it is
+    installed, otherwise torch SDPA one segment at a time (exact, no padding).
+    """
+    if _use_flash(q):
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+        max_q = int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0
+        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=False)
+    bounds_q = cu_seqlens_q.tolist()
+    bounds_k = cu_seqlens_k.tolist()
+    outs = []
+    for i in range(len(bounds_q) - 1):
+        qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+        if qe == qs:
+            continue
+        if ke == ks:  # nothing to attend to: a zero output, as flash-attn gives
+            outs.append(q.new_zeros(qe - qs, *q.shape[1:]))
+            continue
+        # (l, h, d) -> (h, l, d): SDPA batches over the leading head axis
+        o = F.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+        )
+        outs.append(o.transpose(0, 1))
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0)
+
+
+class PackedAttention:
+    """Single-process self-attention over a packed batch: each clip attends only to itself."""
+
+    def __init__(self, seq_lens: torch.Tensor | list[int]):
+        self.cu_seqlens = cu_seqlens_from_lengths(seq_lens)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens)
