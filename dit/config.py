@@ -1,0 +1,222 @@
+"""Training configuration: dataclass defaults, then a YAML file, then ``a.b=value`` overrides.
+
+Every field has a one-line docstring (the comment after it). Unknown keys and bad values raise a
+ValueError that names the dotted field and says what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    size: str = "tiny"  # a name in dit.sizes.MODEL_SIZES
+    overrides: dict = field(default_factory=dict)  # VideoDiT config fields that replace the size's values
+    pretrained: str | None = None  # local directory with our or a diffusers Wan transformer to start from
+    gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
+
+    def __post_init__(self):
+        from dit.sizes import MODEL_SIZES
+
+        if self.size not in MODEL_SIZES:
+            raise ValueError(f"model.size={self.size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # 'synthetic', a video folder, a .csv/.jsonl manifest, a latent cache, or pkg.module:Class
+    num_clips: int = 2048  # synthetic only: clips in the dataset
+    frame_counts: list = field(default_factory=lambda: [1, 5, 9])  # synthetic only: frame counts to draw from
+    resolutions: list = field(
+        default_factory=lambda: [[32, 32], [24, 40], [40, 24]]
+    )  # synthetic: (h, w) choices
+    options: dict = field(default_factory=dict)  # clip-policy options for real sources (see docs/data.md)
+    vae: str = "identity"  # 'identity' (pixel space), 'wan', 'hunyuan' or 'cogvideox'
+    vae_path: str | None = None  # local directory of the VAE weights
+    text_encoder: str = "hashed"  # 'hashed' (built in), 't5' or 'umt5'
+    text_encoder_path: str | None = None  # local directory of the text encoder
+    text_max_length: int = 512  # longest caption in text tokens
+    caption_dropout: float = 0.1  # share of captions replaced by '' so guidance has an unconditional model
+    num_workers: int = 0  # DataLoader worker processes
+    num_val_clips: int = 16  # held-out clips for the validation loss
+    seed: int = 0  # dataset seed (synthetic content, shuffling)
+
+    def __post_init__(self):
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ValueError(f"data.caption_dropout={self.caption_dropout} must be in [0, 1)")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
+        if self.num_val_clips < 1:
+            raise ValueError(f"data.num_val_clips={self.num_val_clips} must be >= 1")
+
+
+@dataclass
+class FlowConfig:
+    timestep_sampling: str = "logit_normal"  # 'logit_normal' or 'uniform'
+    logit_mean: float = 0.0  # mean of the logit-normal sigma distribution
+    logit_std: float = 1.0  # std of the logit-normal sigma distribution
+    shift: float | None = None  # fixed sigma shift; None shifts each clip by its token count
+    val_sigmas: list = field(
+        default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9]
+    )  # fixed sigmas of the val loss
+
+    def __post_init__(self):
+        if self.timestep_sampling not in ("logit_normal", "uniform"):
+            raise ValueError(
+                f"flow.timestep_sampling={self.timestep_sampling!r}; use 'logit_normal' or 'uniform'"
+            )
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"flow.shift={self.shift} must be positive (or null for the token-count shift)")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # optimizer steps
+    global_batch_size: int = 8  # clips per optimizer step, over all ranks
+    micro_batch_tokens: int = 4096  # token budget of one packed micro-batch on one rank
+    lr: float = 3e-4  # peak learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
+    warmup_steps: int = 20  # linear warm-up steps, then constant
+    grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
+    ema_decay: float = 0.99  # EMA of the weights used for sampling; 0 disables it
+    mixed_precision: str = "bf16"  # 'bf16' autocast on CUDA, or 'no'; CPU always runs fp32
+    seed: int = 0  # seed of initialization, noise and timesteps
+    log_every: int = 10  # steps between metric lines
+    val_every: int = 50  # steps between validation losses
+    checkpoint_every: int = 100  # steps between checkpoints
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    max_bad_steps: int = 20  # non-finite losses in a row before the run stops
+
+    def __post_init__(self):
+        for name in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every", "val_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be a positive integer")
+        if self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
+            raise ValueError("train.checkpoint_every and train.keep_checkpoints must be positive")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr={self.lr} must be positive")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
+        if self.mixed_precision not in ("bf16", "no"):
+            raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'bf16' or 'no'")
+        if len(self.betas) != 2:
+            raise ValueError(f"train.betas={self.betas} must be two numbers")
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = "none"  # 'none' (one process), 'static' (one CP size for all) or 'dynamic' (planned per step)
+    cp_method: str = "auto"  # 'auto' (Ulysses when heads divide, else ring), 'ulysses' or 'ring'
+    static_cp_size: int = 1  # CP size of static mode
+    cp_sizes: list | None = None  # allowed CP sizes in dynamic mode; None = powers of two and the world
+    cap_tokens: int | None = None  # most tokens one rank may hold; None = train.micro_batch_tokens
+    hardware: str = "h100"  # planner hardware profile name or yaml path
+    plan_ahead: bool = True  # plan step s+1 in a background thread while step s runs
+
+    def __post_init__(self):
+        if self.mode not in ("none", "static", "dynamic"):
+            raise ValueError(f"parallel.mode={self.mode!r}; use 'none', 'static' or 'dynamic'")
+        if self.cp_method not in ("auto", "ulysses", "ring"):
+            raise ValueError(f"parallel.cp_method={self.cp_method!r}; use 'auto', 'ulysses' or 'ring'")
+        if self.static_cp_size < 1:
+            raise ValueError(f"parallel.static_cp_size={self.static_cp_size} must be >= 1")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)  # the network
+    data: DataConfig = field(default_factory=DataConfig)  # clips, captions, VAE and text encoder
+    flow: FlowConfig = field(default_factory=FlowConfig)  # the rectified-flow objective
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimization, logging, checkpoints
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # context parallelism
+    output_dir: str = "runs/tiny"  # checkpoints, metrics.jsonl and samples go here
+
+
+def _check_type(value: Any, annotation: Any, where: str) -> Any:
+    """Return value converted to the annotated type, or raise a ValueError naming the field."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where)
+            except ValueError:
+                pass
+        raise ValueError(f"{where}={value!r} does not fit {annotation}")
+    base = origin or annotation
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base in (list, tuple) and isinstance(value, (list, tuple)):
+        return list(value)
+    if base in (int, float, str, bool, dict, list) and not isinstance(value, base):
+        raise ValueError(f"{where}={value!r} must be of type {base.__name__}")
+    if base is int and isinstance(value, bool):
+        raise ValueError(f"{where}={value!r} must be an integer")
+    return value
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass ``cls`` from nested dicts, rejecting unknown keys by their dotted name."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown config key {prefix}{unknown[0]}; valid keys here are: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = from_dict(hint, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply one ``a.b.c=value`` override to nested dict ``data``; the value is parsed as YAML."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like section.key=value, e.g. train.max_steps=200")
+    key, raw = item.split("=", 1)
+    node = data
+    *parents, leaf = key.strip().split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {item!r}: {part} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- overrides. Raises ValueError on unknown keys or bad values."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(
+                f"config file {path} does not exist; pass --config configs/tiny.yaml or another file"
+            )
+        data = yaml.safe_load(path.read_text()) or {}
+    for item in overrides:
+        apply_override(data, item)
+    return from_dict(Config, data)
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)

@@ -1,0 +1,270 @@
+"""VideoDiT: a packed, variable-length video diffusion transformer.
+
+The block structure is Wan2.1's (full 3D self-attention with 3D RoPE, RMS q/k norms, cross-attention
+to text, time modulation shared by all blocks plus a learned per-block table, GELU-tanh FFN), with
+parameter names equal to diffusers' ``WanTransformer3DModel`` so checkpoints map one to one
+(``dit/wan_import.py``). What differs is the input: not a padded (batch, c, f, h, w) tensor but a
+*packed* token sequence (see ``dit/packing.py``) of clips with different shapes, and an injected
+``attention`` function. The model never talks to other processes; under context parallelism it is
+handed this rank's tokens and a CP attention function, and everything else here is per token or per
+clip.
+
+Legend: n = packed tokens held by this process, b = clips in the micro-batch, l = text tokens
+(all clips), p = patch values (pt*ph*pw*c), D = hidden width, h = heads, d = head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.attention import FeedForward
+from diffusers.models.embeddings import (
+    PixArtAlphaTextProjection,
+    TimestepEmbedding,
+    Timesteps,
+    get_1d_rotary_pos_embed,
+)
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.normalization import FP32LayerNorm
+from torch.utils.checkpoint import checkpoint
+
+from dit.attention import AttentionFn, cu_seqlens_from_lengths, varlen_attention
+
+
+def per_token(per_clip: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """(b, ...) -> (n, ...): repeat each clip's row for each of its tokens on this process."""
+    if per_clip.shape[0] == 1:  # one clip: broadcasting avoids materializing n copies
+        return per_clip[0]
+    return per_clip.repeat_interleave(seq_lens.to(per_clip.device), dim=0)
+
+
+class RotaryEmbedding3D(nn.Module):
+    """Wan's 3D RoPE, indexed by each token's global (t, h, w) position instead of a dense grid.
+
+    The head dim is split into t, h, w parts (h = w = 2 * (d // 6), t takes the rest); every part
+    rotates adjacent channel pairs. Indexing by position is what lets a CP shard, or a packed clip,
+    get exactly the rotation it would get in the full, unpacked clip.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int = 1024, theta: float = 10000.0):
+        super().__init__()
+        h_dim = w_dim = 2 * (head_dim // 6)
+        self.split = (head_dim - h_dim - w_dim, h_dim, w_dim)
+        cos, sin = [], []
+        for dim in self.split:
+            c, s = get_1d_rotary_pos_embed(
+                dim,
+                max_positions,
+                theta,
+                use_real=True,
+                repeat_interleave_real=True,
+                freqs_dtype=torch.float64,
+            )
+            cos.append(c.float())
+            sin.append(s.float())
+        self.max_positions = max_positions
+        # Derived from the config, so not saved in checkpoints (as in diffusers' Wan).
+        self.register_buffer("cos_table", torch.cat(cos, dim=1), persistent=False)  # (max_positions, d)
+        self.register_buffer("sin_table", torch.cat(sin, dim=1), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (n, 3) long -> cos, sin: (n, 1, d), broadcast over heads."""
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise ValueError(
+                f"a clip has {int(positions.max()) + 1} patches along one axis but rope_max_seq_len is "
+                f"{self.max_positions}; raise model.rope_max_seq_len or use a smaller clip"
+            )
+        cos = torch.cat(
+            [part[positions[:, axis]] for axis, part in enumerate(self.cos_table.split(self.split, dim=1))],
+            dim=-1,
+        )
+        sin = torch.cat(
+            [part[positions[:, axis]] for axis, part in enumerate(self.sin_table.split(self.split, dim=1))],
+            dim=-1,
+        )
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of x (n, h, d), computed as Wan does so outputs match bit for bit."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """q/k/v/out projections with RMS norm over all heads; parameter names follow diffusers' WanAttention."""
+
+    def __init__(self, dim: int, heads: int, eps: float, qk_norm: bool):
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+        self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None):
+        """x (n, D), context (l, D) or None -> q (n, h, d), k and v (n or l, h, d)."""
+        context = x if context is None else context
+        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, -1))
+        k = self.norm_k(self.to_k(context)).unflatten(-1, (self.heads, -1))
+        v = self.to_v(context).unflatten(-1, (self.heads, -1))
+        return q, k, v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """(n, h, d) -> (n, D)"""
+        return self.to_out[0](o.flatten(-2))
+
+
+class DiTBlock(nn.Module):
+    """Self-attention, cross-attention and FFN, with time modulation (shift, scale, gate) per clip."""
+
+    def __init__(self, dim: int, ffn_dim: int, heads: int, eps: float, qk_norm: bool, cross_attn_norm: bool):
+        super().__init__()
+        self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.attn1 = Attention(dim, heads, eps, qk_norm)
+        self.attn2 = Attention(dim, heads, eps, qk_norm)
+        self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
+        self.ffn = FeedForward(dim, inner_dim=ffn_dim, activation_fn="gelu-approximate")
+        self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (n, D)
+        text: torch.Tensor,  # (l, D)
+        modulation: torch.Tensor,  # (b, 6, D) from the shared time projection
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin (n, 1, d)
+        seq_lens: torch.Tensor,  # (b,) local tokens per clip
+        text_cu_seqlens: torch.Tensor,  # (b+1,)
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        mod = self.scale_shift_table + modulation.float()  # (b, 6, D)
+        shift1, scale1, gate1, shift2, scale2, gate2 = (per_token(m, seq_lens) for m in mod.unbind(1))
+
+        # 1. self-attention over each whole clip (possibly spread over a CP group)
+        h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
+        q, k, v = self.attn1.project(h)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        h = self.attn1.output(attention(q, k, v))
+        x = (x.float() + h * gate1).type_as(x)
+
+        # 2. cross-attention: each token attends to its own clip's text, which every rank holds
+        h = self.norm2(x.float()).type_as(x)
+        q, k, v = self.attn2.project(h, text)
+        x = x + self.attn2.output(
+            varlen_attention(q, k, v, cu_seqlens_from_lengths(seq_lens), text_cu_seqlens)
+        )
+
+        # 3. feed-forward
+        h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
+        return (x.float() + self.ffn(h).float() * gate2).type_as(x)
+
+
+class VideoDiT(ModelMixin, ConfigMixin):
+    """Packed video DiT. Config names follow diffusers' WanTransformer3DModel where they overlap."""
+
+    _supports_gradient_checkpointing = True
+    _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
+
+    @register_to_config
+    def __init__(
+        self,
+        patch_size: tuple[int, int, int] = (1, 2, 2),
+        num_attention_heads: int = 12,
+        attention_head_dim: int = 128,
+        in_channels: int = 16,
+        out_channels: int | None = None,
+        text_dim: int = 4096,
+        freq_dim: int = 256,
+        ffn_dim: int = 8960,
+        num_layers: int = 30,
+        cross_attn_norm: bool = True,
+        qk_norm: bool = True,
+        eps: float = 1e-6,
+        rope_max_seq_len: int = 1024,
+        adaln_zero_init: bool = True,
+    ):
+        super().__init__()
+        dim = num_attention_heads * attention_head_dim
+        out_channels = out_channels or in_channels
+        self.patch_size = tuple(patch_size)
+        self.out_patch_dim = out_channels * math.prod(patch_size)
+
+        self.rope = RotaryEmbedding3D(attention_head_dim, rope_max_seq_len)
+        # A linear layer on (pt, ph, pw, c) patches: the same map as Wan's strided Conv3d.
+        self.patch_embedding = nn.Linear(in_channels * math.prod(patch_size), dim)
+        self.condition_embedder = nn.Module()
+        self.condition_embedder.timesteps_proj = Timesteps(
+            freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0
+        )
+        self.condition_embedder.time_embedder = TimestepEmbedding(freq_dim, dim)
+        self.condition_embedder.time_proj = nn.Linear(dim, 6 * dim)
+        self.condition_embedder.text_embedder = PixArtAlphaTextProjection(text_dim, dim, act_fn="gelu_tanh")
+        self.blocks = nn.ModuleList(
+            DiTBlock(dim, ffn_dim, num_attention_heads, eps, qk_norm, cross_attn_norm)
+            for _ in range(num_layers)
+        )
+        self.norm_out = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(dim, self.out_patch_dim)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.gradient_checkpointing = False
+        if adaln_zero_init:
+            self._adaln_zero_init()
+
+    @torch.no_grad()
+    def _adaln_zero_init(self) -> None:
+        """DiT's adaLN-Zero: every block starts as the identity and the output as zero.
+
+        Zero gates (table rows 2 and 5) and a zero time projection make each residual branch vanish
+        at step 0; the gates still get gradients, so the branches switch on as training proceeds.
+        """
+        for block in self.blocks:
+            block.scale_shift_table[:, 2].zero_()
+            block.scale_shift_table[:, 5].zero_()
+        nn.init.zeros_(self.condition_embedder.time_proj.weight)
+        nn.init.zeros_(self.condition_embedder.time_proj.bias)
+        nn.init.zeros_(self.proj_out.weight)
+        nn.init.zeros_(self.proj_out.bias)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (n, p) patches of this process's tokens
+        positions: torch.Tensor,  # (n, 3) global (t, h, w) patch index inside each token's clip
+        seq_lens: torch.Tensor,  # (b,) tokens of each clip held here (0 allowed under CP)
+        timesteps: torch.Tensor,  # (b,) in [0, 1000]
+        text: torch.Tensor,  # (l, text_dim) all clips' text embeddings, concatenated
+        text_lens: torch.Tensor,  # (b,)
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        """Returns the predicted velocity for each token, (n, p_out)."""
+        ce = self.condition_embedder
+        t_freq = ce.timesteps_proj(timesteps.float())  # (b, freq_dim)
+        temb = ce.time_embedder(t_freq.to(ce.time_embedder.linear_1.weight.dtype)).type_as(tokens)  # (b, D)
+        modulation = ce.time_proj(F.silu(temb)).unflatten(1, (6, -1))  # (b, 6, D)
+        context = ce.text_embedder(text.to(tokens.dtype))  # (l, D)
+        text_cu_seqlens = cu_seqlens_from_lengths(text_lens)
+        rope = self.rope(positions)
+
+        x = self.patch_embedding(tokens)  # (n, D)
+        for block in self.blocks:
+            args = (x, context, modulation, rope, seq_lens, text_cu_seqlens, attention)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, *args, use_reentrant=False)
+            else:
+                x = block(*args)
+
+        shift, scale = (self.scale_shift_table + temb[:, None, :]).unbind(1)  # (b, D) each
+        x = (
+            self.norm_out(x.float()) * (1 + per_token(scale, seq_lens)) + per_token(shift, seq_lens)
+        ).type_as(x)
+        return self.proj_out(x)  # (n, pt*ph*pw*c)

@@ -1,0 +1,65 @@
+"""Model sizes by name. Widths, depths and heads of the Wan sizes follow the published Wan2.1 configs."""
+
+from __future__ import annotations
+
+MODEL_SIZES: dict[str, dict] = {
+    # Pixel-space model that trains on 2 CPU cores in minutes (configs/tiny.yaml).
+    "tiny": dict(
+        patch_size=(1, 4, 4),
+        num_attention_heads=4,
+        attention_head_dim=32,
+        in_channels=3,
+        text_dim=64,
+        freq_dim=64,
+        ffn_dim=512,
+        num_layers=4,
+    ),
+    # Latent-space model for quick GPU experiments with a 16-channel video VAE.
+    "small": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=8,
+        attention_head_dim=64,
+        in_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=2048,
+        num_layers=12,
+    ),
+    "wan-1.3b": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=30,
+    ),
+    "wan-14b": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+    ),
+}
+
+
+def model_kwargs(size: str, overrides: dict | None = None) -> dict:
+    """VideoDiT keyword arguments of a named size with ``overrides`` applied."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model size {size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
+    kwargs = dict(MODEL_SIZES[size])
+    from dit.model import VideoDiT
+
+    valid = set(VideoDiT.__init__.__code__.co_varnames[1 : VideoDiT.__init__.__code__.co_argcount])
+    for key, value in (overrides or {}).items():
+        if key not in valid:
+            raise ValueError(
+                f"model.overrides.{key} is not a VideoDiT field; valid: {', '.join(sorted(valid))}"
+            )
+        kwargs[key] = tuple(value) if key == "patch_size" else value
+    return kwargs
