@@ -1,0 +1,129 @@
+"""Manifests and folders -> rows of (path, caption, optional metadata).
+
+Manifest format (Open-Sora compatible), CSV with a header or JSONL with one object per line:
+
+    path,text,num_frames,height,width,fps
+    clips/a.mp4,"a dog runs on a beach",120,720,1280,30
+
+Only ``path`` is required. Relative paths resolve against the manifest's folder. Rows without
+the metadata columns are probed when the dataset is built (``python -m data.scan`` fills them once).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+
+from data.readers import VideoInfo
+
+VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
+COLUMNS = ("path", "text", "num_frames", "height", "width", "fps")
+
+
+@dataclass
+class Row:
+    path: str
+    """Absolute path of the video."""
+    text: str = ""
+    info: VideoInfo | None = None
+    """Source metadata; None until probed."""
+
+
+def _info_from(record: dict, where: str) -> VideoInfo | None:
+    values = [record.get(k) for k in ("num_frames", "height", "width", "fps")]
+    if any(v in (None, "") for v in values):
+        return None  # not scanned yet: probe later
+    try:
+        n, h, w, fps = int(float(values[0])), int(float(values[1])), int(float(values[2])), float(values[3])
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: bad metadata {values} ({e}); fix the row or rerun python -m data.scan"
+        ) from e
+    return VideoInfo(n, h, w, fps)
+
+
+def read_manifest(path: str | os.PathLike) -> list[Row]:
+    """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
+    path = str(path)
+    root = os.path.dirname(os.path.abspath(path))
+    if path.endswith(".csv"):
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames or "path" not in reader.fieldnames:
+                raise ValueError(
+                    f"{path}: the CSV header needs a 'path' column (Open-Sora style: {','.join(COLUMNS)})"
+                )
+            records = [(f"{path}:{i + 2}", r) for i, r in enumerate(reader)]
+    elif path.endswith(".jsonl"):
+        records = []
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                where = f"{path}:{i + 1}"
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not valid JSON ({e}); one object per line") from e
+                if not isinstance(r, dict) or "path" not in r:
+                    raise ValueError(f"{where}: each line needs an object with a 'path' key")
+                records.append((where, r))
+    else:
+        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
+    rows = []
+    for where, r in records:
+        p = str(r["path"] or "")
+        if not p:
+            raise ValueError(f"{where}: empty 'path'")
+        p = p if os.path.isabs(p) else os.path.join(root, p)
+        rows.append(Row(os.path.normpath(p), str(r.get("text") or ""), _info_from(r, where)))
+    return rows
+
+
+def list_folder(folder: str | os.PathLike) -> list[Row]:
+    """Every video under ``folder`` (recursive, sorted); the caption is the sidecar ``<name>.txt``."""
+    folder = str(folder)
+    rows = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if os.path.splitext(name)[1].lower() not in VIDEO_EXTS:
+                continue
+            p = os.path.join(dirpath, name)
+            rows.append(Row(os.path.abspath(p), _sidecar_caption(p)))
+    return rows
+
+
+def _sidecar_caption(video_path: str) -> str:
+    txt = os.path.splitext(video_path)[0] + ".txt"
+    try:
+        with open(txt, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""  # no caption: trained unconditionally; the dataset reports how many
+
+
+def write_manifest(rows: list[Row], out: str | os.PathLike, relative: bool = True) -> None:
+    """Write rows as .csv or .jsonl. With ``relative`` paths are stored relative to the manifest."""
+    out = str(out)
+    root = os.path.dirname(os.path.abspath(out))
+    records = []
+    for r in rows:
+        rec = {"path": os.path.relpath(r.path, root) if relative else r.path, "text": r.text}
+        i = r.info
+        if i is not None:
+            rec.update(num_frames=i.num_frames, height=i.height, width=i.width, fps=round(i.fps, 6))
+        records.append(rec)
+    os.makedirs(root, exist_ok=True)
+    if out.endswith(".jsonl"):
+        with open(out, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+    elif out.endswith(".csv"):
+        with open(out, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(records)
+    else:
+        raise ValueError(f"{out}: the output manifest must end in .csv or .jsonl")

@@ -1,0 +1,174 @@
+"""Video readers: probe metadata and decode frames *by index* (decord first, PyAV as the fallback).
+
+Only the frames a clip needs are decoded: decord seeks to them, PyAV stops at the last one needed.
+Every failure surfaces as ``VideoReadError`` with the path and a short reason, so callers can
+skip, count and log it instead of crashing (see data/failures.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+try:  # decord ships wheels for x86_64 Linux only; everything works without it (slower).
+    import decord
+
+    decord.logging.set_level(decord.logging.QUIET)
+except Exception:  # pragma: no cover - depends on the platform
+    decord = None
+
+import av
+
+BACKENDS = ("auto", "decord", "pyav")
+
+
+class VideoReadError(RuntimeError):
+    """A file could not be probed or decoded. ``reason`` is a short tag for counting."""
+
+    def __init__(self, path: str, reason: str, detail: str = ""):
+        self.path, self.reason, self.detail = str(path), reason, detail
+        super().__init__(f"{path}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """Source metadata of one file, as a manifest row stores it."""
+
+    num_frames: int
+    height: int
+    width: int
+    fps: float
+
+
+def _check_file(path: str) -> None:
+    # Cheap checks first: they give clearer reasons than a decoder error string.
+    if not os.path.exists(path):
+        raise VideoReadError(path, "missing_file")
+    if not os.access(path, os.R_OK):
+        raise VideoReadError(path, "unreadable", "no read permission")
+    if os.path.getsize(path) == 0:
+        raise VideoReadError(path, "zero_bytes")
+
+
+def _backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"reader backend {backend!r} is unknown; use one of {BACKENDS}")
+    if backend == "auto":
+        return "decord" if decord is not None else "pyav"
+    if backend == "decord" and decord is None:
+        raise ValueError("reader backend 'decord' requested but decord is not installed; use 'pyav'")
+    return backend
+
+
+# ---------------------------------------------------------------- decord
+
+
+def _decord_reader(path: str):
+    try:
+        return decord.VideoReader(path, num_threads=1)
+    except Exception as e:  # decord raises RuntimeError/DECORDError with long C++ traces
+        raise VideoReadError(path, "not_a_video_or_corrupt", str(e).splitlines()[0][:200]) from e
+
+
+def _probe_decord(path: str) -> VideoInfo:
+    vr = _decord_reader(path)
+    h, w = vr[0].shape[:2] if len(vr) else (0, 0)
+    return VideoInfo(len(vr), int(h), int(w), float(vr.get_avg_fps()))
+
+
+def _read_decord(path: str, indices: list[int]) -> np.ndarray:
+    vr = _decord_reader(path)
+    if max(indices) >= len(vr):
+        raise VideoReadError(path, "too_few_frames", f"needs frame {max(indices)}, file has {len(vr)}")
+    try:
+        return vr.get_batch(indices).asnumpy()  # (f, h, w, 3) uint8
+    except Exception as e:
+        raise VideoReadError(path, "decode_error", str(e).splitlines()[0][:200]) from e
+
+
+# ---------------------------------------------------------------- PyAV
+
+
+def _open_av(path: str):
+    try:
+        container = av.open(path)
+    except Exception as e:
+        raise VideoReadError(path, "not_a_video_or_corrupt", str(e)[:200]) from e
+    if not container.streams.video:
+        container.close()
+        raise VideoReadError(path, "no_video_stream")
+    return container
+
+
+def _probe_pyav(path: str) -> VideoInfo:
+    with _open_av(path) as container:
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate or Fraction(0)
+        num_frames = stream.frames
+        if num_frames <= 0:
+            # WebM/Matroska store no frame count: count packets (demux only, no decoding).
+            num_frames = sum(1 for p in container.demux(stream) if p.size > 0)
+        return VideoInfo(
+            int(num_frames), stream.codec_context.height, stream.codec_context.width, float(rate)
+        )
+
+
+def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
+    wanted = sorted(set(indices))
+    last, got = wanted[-1], {}
+    with _open_av(path) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        try:
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    got[i] = frame.to_ndarray(format="rgb24")
+                if i >= last:
+                    break  # stop at the last frame needed: never decode the rest of the file
+        except Exception as e:
+            raise VideoReadError(path, "decode_error", str(e)[:200]) from e
+    if last not in got:
+        raise VideoReadError(path, "too_few_frames", f"needs frame {last}, decoded {len(got)} of those asked")
+    return np.stack([got[i] for i in indices])
+
+
+# ---------------------------------------------------------------- public API
+
+
+def probe(path: str | os.PathLike, backend: str = "auto") -> VideoInfo:
+    """Frame count, size and fps of a file, without decoding more than the first frame."""
+    path = str(path)
+    _check_file(path)
+    backend = _backend(backend)
+    try:
+        info = _probe_decord(path) if backend == "decord" else _probe_pyav(path)
+    except VideoReadError:
+        if backend == "decord":  # decord rejects some containers PyAV reads: try before giving up
+            info = _probe_pyav(path)
+        else:
+            raise
+    if info.num_frames <= 0 or info.height <= 0 or info.width <= 0:
+        raise VideoReadError(path, "empty_video", f"{info}")
+    if not info.fps > 0:
+        raise VideoReadError(path, "no_fps", "the stream has no frame rate")
+    return info
+
+
+def read_frames(path: str | os.PathLike, indices: list[int], backend: str = "auto") -> np.ndarray:
+    """Frames at the given source indices -> (len(indices), h, w, 3) uint8. Indices may repeat."""
+    path = str(path)
+    if not indices:
+        raise ValueError("read_frames needs at least one frame index")
+    _check_file(path)
+    backend = _backend(backend)
+    if backend == "decord":
+        try:
+            return _read_decord(path, indices)
+        except VideoReadError as e:
+            if e.reason == "too_few_frames":
+                raise
+            return _read_pyav(path, indices)  # decord failed to open/decode: PyAV may still manage
+    return _read_pyav(path, indices)

@@ -1,0 +1,96 @@
+"""Probe videos in parallel and write a manifest with the metadata columns filled in.
+
+    python -m data.scan VIDEO_FOLDER_OR_MANIFEST --out manifest.csv [--workers 8] [--backend auto]
+
+Files that fail to probe are left out of the manifest and listed, with reasons, in
+``<out>.failures.csv`` and in the printed summary. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from tqdm import tqdm
+
+from data.failures import FailureLog
+from data.manifest import Row, list_folder, read_manifest, write_manifest
+from data.readers import VideoReadError, probe
+
+
+def read_rows(source: str) -> list[Row]:
+    if os.path.isdir(source):
+        return list_folder(source)
+    if source.endswith((".csv", ".jsonl")):
+        if not os.path.isfile(source):
+            raise ValueError(f"manifest {source} does not exist")
+        return read_manifest(source)
+    raise ValueError(f"{source}: give a folder of videos or a .csv/.jsonl manifest")
+
+
+def probe_rows(
+    rows: list[Row], failures: FailureLog, num_workers: int = 8, backend: str = "auto", progress: bool = True
+) -> list[Row]:
+    """Fill ``row.info`` for rows that lack it. Returns the rows that probed; failures are recorded.
+
+    Threads are enough: decord and PyAV release the GIL inside the demuxer and decoder.
+    """
+    for r in rows:
+        if r.info is not None and not os.path.isfile(r.path):
+            # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
+            failures.fail(r.path, "missing_file", "listed in the manifest", check=False)
+    rows = [r for r in rows if r.path not in failures.failed]
+    todo = [r for r in rows if r.info is None]
+
+    def one(row: Row):
+        try:
+            return probe(row.path, backend), None
+        except VideoReadError as e:
+            return None, e
+
+    with ThreadPoolExecutor(max(1, num_workers)) as pool:
+        results = pool.map(one, todo)
+        for row, (info, err) in tqdm(
+            zip(todo, results), total=len(todo), desc="probing videos", disable=not progress or not todo
+        ):
+            row.info = info
+            if err is not None:
+                failures.fail(row.path, err.reason, err.detail, check=False)
+    return [r for r in rows if r.info is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.scan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl manifest")
+    ap.add_argument("--out", required=True, help="output manifest, .csv or .jsonl")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--backend", default="auto", choices=("auto", "decord", "pyav"))
+    ap.add_argument("--rescan", action="store_true", help="probe rows that already have metadata too")
+    args = ap.parse_args(argv)
+
+    rows = read_rows(args.source)
+    if args.rescan:
+        for r in rows:
+            r.info = None
+    failures = FailureLog(total=len(rows), max_failure_share=1.0)
+    good = probe_rows(rows, failures, args.workers, args.backend)
+    write_manifest(good, args.out)
+    fail_path = args.out + ".failures.csv"
+    if failures.failed:
+        with open(fail_path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["path", "reason"])
+            w.writerows(failures.failed.items())
+    print(failures.summary())
+    print(
+        f"wrote {len(good)} rows to {args.out}"
+        + (f"; failures listed in {fail_path}" if failures.failed else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
