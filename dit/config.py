@@ -95,6 +95,7 @@ class TrainConfig:
     checkpoint_every: int = 100  # steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     max_bad_steps: int = 20  # non-finite losses in a row before the run stops
+    peak_tflops: float | None = None  # accelerator peak for the MFU figure (989 for H100 bf16); None = no MFU
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every", "val_every"):

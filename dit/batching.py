@@ -1,0 +1,66 @@
+"""Which clips each step trains on, and how a step's clips are packed into micro-batches.
+
+The clip order is a pure function of (seed, step): position p of the endless stream is item
+``perm_e[p % N]`` of epoch ``e = p // N``'s permutation. So the data position in a checkpoint is just
+the step number, a resumed run sees exactly the clips it would have seen, and DataLoader workers can
+prefetch ahead without the prefetching leaking into the saved state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+class GlobalBatchSampler:
+    """Yields the dataset indices of every step's global batch, starting at ``start_step``."""
+
+    def __init__(self, indices: Sequence[int], batch_size: int, seed: int, start_step: int = 0):
+        if len(indices) == 0:
+            raise ValueError("the dataset has no usable clips; check data.source and the failure report")
+        self.indices = list(indices)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.start_step = start_step
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._perms = {epoch: [self.indices[i] for i in torch.randperm(len(self.indices), generator=g)]}
+        return self._perms[epoch]
+
+    def batch(self, step: int) -> list[int]:
+        n = len(self.indices)
+        first = step * self.batch_size
+        return [self._perm(p // n)[p % n] for p in range(first, first + self.batch_size)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group positions 0..len-1 into micro-batches of at most ``budget`` tokens (first-fit decreasing).
+
+    A clip longer than the budget gets a micro-batch of its own: it has to run somewhere, and this
+    single-process path has no smaller unit than a clip (context parallelism is the answer for those).
+    Returns lists of positions, each sorted, micro-batches ordered by their first position, so the
+    result is deterministic.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])

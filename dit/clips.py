@@ -1,0 +1,116 @@
+"""From a dataset sample to the tensors one training clip needs, and the loss of a packed micro-batch.
+
+Everything random about a clip at a step (caption dropout, sigma, noise) comes from a generator seeded
+by (seed, step, dataset index). It therefore does not depend on which micro-batch, rank or CP group
+runs the clip: single-process, static-CP and Dynamic-CP training see the same numbers, and a resumed
+run sees the same numbers as an uninterrupted one.
+
+Legend: n = tokens, p = patch values, l = text tokens, d = text width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dit.attention import AttentionFn
+from dit.config import FlowConfig
+from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
+from dit.packing import grid_positions, patchify
+
+
+def clip_generator(seed: int, step: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_033 + index) % (2**63 - 1))
+
+
+@dataclass
+class TrainClip:
+    """One clip ready for the DiT: clean tokens, noise, sigma, positions and text."""
+
+    index: int
+    x0: torch.Tensor  # (n, p)
+    noise: torch.Tensor  # (n, p)
+    sigma: float
+    positions: torch.Tensor  # (n, 3)
+    text: torch.Tensor  # (l, d)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x0.shape[0]
+
+
+class ClipEncoder:
+    """Turns pixel samples (video + caption) or cached samples (latent + text_emb) into latents and text."""
+
+    def __init__(self, vae, text_encoder, device: torch.device):
+        self.vae = vae  # None = pixel space
+        self.text_encoder = text_encoder
+        self.device = device
+
+    @torch.no_grad()
+    def encode(self, sample: dict, drop_caption: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> latent (c, f, h, w), text (l, d) on self.device."""
+        if "latent" in sample:
+            latent = sample["latent"].to(self.device, torch.float32)
+            text = sample["text_emb"].to(self.device, torch.float32)
+            return latent, text[:0] if drop_caption else text
+        video = sample["video"].to(self.device, torch.float32)
+        latent = video if self.vae is None else self.vae.encode(video[None])[0].float()
+        caption = "" if drop_caption else sample["caption"]
+        text = self.text_encoder.encode([caption])[0].to(self.device, torch.float32)
+        return latent, text
+
+
+def prepare_clip(
+    sample: dict,
+    encoder: ClipEncoder,
+    patch: tuple[int, int, int],
+    flow: FlowConfig,
+    caption_dropout: float,
+    seed: int,
+    step: int,
+) -> TrainClip:
+    g = clip_generator(seed, step, sample["index"])
+    drop = bool(torch.rand((), generator=g) < caption_dropout)
+    latent, text = encoder.encode(sample, drop)
+    x0 = patchify(latent, patch)
+    grid = tuple(s // p for s, p in zip(latent.shape[1:], patch))
+    sigma = sample_sigmas(1, g, flow.timestep_sampling, flow.logit_mean, flow.logit_std)
+    shift = flow.shift if flow.shift is not None else shift_for_tokens(x0.shape[0])
+    sigma = float(shift_sigmas(sigma, shift))
+    noise = torch.randn(x0.shape, generator=g).to(x0.device)
+    return TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
+
+
+def micro_batch_loss(
+    model,
+    clips: list[TrainClip],
+    attention: AttentionFn,
+    num_clips_global: int,
+    token_range: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Loss contribution of ``clips`` packed into one sequence (see dit/flow.py for the weighting).
+
+    ``token_range`` (start, end) restricts the computation to that slice of the packed sequence, which
+    is what one rank of a CP group holds; ``attention`` must then be that group's CP attention.
+    """
+    seq_lens = torch.tensor([c.num_tokens for c in clips])
+    sigmas = torch.tensor([c.sigma for c in clips])
+    x0 = torch.cat([c.x0 for c in clips])  # (n, p)
+    noise = torch.cat([c.noise for c in clips])
+    positions = torch.cat([c.positions for c in clips])  # (n, 3)
+    local_lens = seq_lens
+    if token_range is not None:
+        start, end = token_range
+        offsets = torch.cumsum(seq_lens, 0) - seq_lens
+        local_lens = (
+            torch.minimum(offsets + seq_lens, torch.tensor(end)) - torch.clamp(offsets, min=start)
+        ).clamp(min=0)
+        x0, noise, positions = x0[start:end], noise[start:end], positions[start:end]
+    x_t = add_noise(x0, noise, sigmas.repeat_interleave(local_lens).to(x0.device))
+    text = torch.cat([c.text for c in clips])
+    text_lens = torch.tensor([c.text.shape[0] for c in clips])
+    pred = model(x_t, positions, local_lens, sigmas.to(x0.device) * 1000, text, text_lens, attention)
+    weights = clip_token_weights(local_lens, seq_lens, num_clips_global).to(x0.device)
+    return flow_loss(pred, noise - x0, weights)

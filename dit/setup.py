@@ -1,0 +1,82 @@
+"""Build the model, text encoder, VAE and datasets that a config names."""
+
+from __future__ import annotations
+
+import torch
+
+from data.types import ClipMeta
+from dit.config import DataConfig, ModelConfig
+from dit.model import VideoDiT
+from dit.sizes import model_kwargs
+
+
+def build_model(cfg: ModelConfig) -> VideoDiT:
+    if cfg.pretrained:
+        from dit.wan_import import load_pretrained
+
+        model = load_pretrained(cfg.pretrained)
+    else:
+        model = VideoDiT(**model_kwargs(cfg.size, cfg.overrides))
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    return model
+
+
+def build_text_encoder(cfg: DataConfig, text_dim: int, device: torch.device | str = "cpu"):
+    if cfg.text_encoder == "hashed":
+        from data.hashed_text import HashedTextEncoder
+
+        return HashedTextEncoder(dim=text_dim, seed=cfg.seed)
+    from data.text_encoders import load_text_encoder
+
+    encoder = load_text_encoder(cfg.text_encoder, cfg.text_encoder_path, cfg.text_max_length, device=device)
+    if encoder.dim != text_dim:
+        raise ValueError(
+            f"text encoder {cfg.text_encoder_path} gives {encoder.dim}-wide embeddings but the model expects "
+            f"text_dim={text_dim}; set model.overrides.text_dim={encoder.dim}"
+        )
+    return encoder
+
+
+def build_vae(cfg: DataConfig, device: torch.device | str = "cpu"):
+    """None means pixel space: the clip itself is the model's input."""
+    if cfg.vae == "identity":
+        return None
+    from data.vaes import load_vae
+
+    return load_vae(cfg.vae, cfg.vae_path, device=str(device))
+
+
+def vae_stride(cfg: DataConfig) -> tuple[int, int, int]:
+    return (1, 1, 1) if cfg.vae == "identity" else (4, 8, 8)
+
+
+def build_datasets(cfg: DataConfig):
+    """-> train dataset, its training indices, validation dataset, its indices.
+
+    Synthetic data draws held-out clips from another seed; a real dataset holds out its last
+    ``num_val_clips`` items so the validation loss never sees a training clip.
+    """
+    if cfg.source == "synthetic":
+        from data.synthetic import SyntheticClips
+
+        kw = dict(frame_counts=tuple(cfg.frame_counts), resolutions=tuple(tuple(r) for r in cfg.resolutions))
+        train = SyntheticClips(cfg.num_clips, seed=cfg.seed, **kw)
+        val = SyntheticClips(cfg.num_val_clips, seed=cfg.seed + 10_000, **kw)
+        return train, list(range(len(train))), val, list(range(len(val)))
+    from data.build import build_dataset
+
+    dataset = build_dataset(cfg.source, **cfg.options)
+    if len(dataset) <= cfg.num_val_clips:
+        raise ValueError(
+            f"data.source {cfg.source} has {len(dataset)} usable clips, not more than data.num_val_clips="
+            f"{cfg.num_val_clips}; add clips or lower data.num_val_clips"
+        )
+    split = len(dataset) - cfg.num_val_clips
+    return dataset, list(range(split)), dataset, list(range(split, len(dataset)))
+
+
+def clip_tokens(meta: ClipMeta, patch: tuple[int, int, int], stride: tuple[int, int, int]) -> int:
+    """Tokens of a clip from its metadata: what the planner needs before any pixels are read."""
+    from data.tokens import num_tokens
+
+    return num_tokens(meta.num_frames, meta.height, meta.width, stride, patch)

@@ -1,0 +1,234 @@
+"""Single-process training loop: data, micro-batches by token budget, AdamW, EMA, logs, checkpoints.
+
+The multi-process Dynamic-CP runtime (``dynamic_cp/runtime.py``) reuses the pieces here and replaces
+only how a step's clips are split into micro-batches and which attention each micro-batch runs with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from dit.attention import PackedAttention
+from dit.batching import GlobalBatchSampler, pack_by_token_budget
+from dit.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint, set_rng_state
+from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
+from dit.config import Config, to_dict
+from dit.ema import EMA
+from dit.flops import train_step_flops
+from dit.model import VideoDiT
+from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
+
+
+def keep_list(samples: list) -> list:
+    """DataLoader collate: clips have different shapes, so a batch stays a list."""
+    return samples
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: str | None = None, device: torch.device | None = None):
+        self.cfg = cfg
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.out = Path(cfg.output_dir)
+        torch.manual_seed(cfg.train.seed)
+        self.model: VideoDiT = build_model(cfg.model).to(self.device)
+        self.patch = tuple(self.model.config.patch_size)
+        self.encoder = ClipEncoder(
+            build_vae(cfg.data, self.device),
+            build_text_encoder(cfg.data, self.model.config.text_dim),
+            self.device,
+        )
+        self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(cfg.data)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.train.lr,
+            betas=tuple(cfg.train.betas),
+            weight_decay=cfg.train.weight_decay,
+        )
+        warmup = max(cfg.train.warmup_steps, 1)
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup)
+        )
+        self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.step = 0
+        self.bad_steps = 0
+        if resume is not None:
+            self._resume(resume)
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def _resume(self, path: str) -> None:
+        step_dir = resolve_checkpoint(path)
+        state = load_trainer_state(step_dir)
+        self.model.load_state_dict(VideoDiT.from_pretrained(step_dir / "model").state_dict())
+        if self.ema is not None and (step_dir / "ema").is_dir():
+            self.ema.model.load_state_dict(VideoDiT.from_pretrained(step_dir / "ema").state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        self.step = state["step"]
+        self.bad_steps = state["bad_steps"]
+        set_rng_state(state["rng"])
+        self._truncate_metrics(self.step)
+        print(f"resumed from {step_dir} at step {self.step}")
+
+    def save(self) -> Path:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "bad_steps": self.bad_steps,
+        }
+        return save_checkpoint(
+            self.out / "checkpoints",
+            self.step,
+            self.model,
+            self.ema.model if self.ema else None,
+            state,
+            to_dict(self.cfg),
+            self.cfg.train.keep_checkpoints,
+        )
+
+    def _truncate_metrics(self, step: int) -> None:
+        """A resumed run rewrites history after its checkpoint, so the log reads like one clean run."""
+        path = self.out / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ----------------------------------------------------------------------------- one step
+
+    def autocast(self):
+        if self.device.type == "cuda" and self.cfg.train.mixed_precision == "bf16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def prepare(self, samples: list[dict], step: int) -> list[TrainClip]:
+        c = self.cfg
+        return [
+            prepare_clip(s, self.encoder, self.patch, c.flow, c.data.caption_dropout, c.train.seed, step)
+            for s in samples
+        ]
+
+    def train_step(self, clips: list[TrainClip]) -> dict:
+        """Forward and backward over the micro-batches, then one optimizer step. Returns metrics."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        lengths = [c.num_tokens for c in clips]
+        total = 0.0
+        for group in pack_by_token_budget(lengths, self.cfg.train.micro_batch_tokens):
+            mb = [clips[i] for i in group]
+            with self.autocast():
+                loss = micro_batch_loss(
+                    self.model, mb, PackedAttention([c.num_tokens for c in mb]), len(clips)
+                )
+            loss.backward()
+            total += loss.item()
+        return self.finish_step(total)
+
+    def finish_step(self, loss: float) -> dict:
+        """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
+        clip = self.cfg.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        if not (math.isfinite(loss) and torch.isfinite(grad_norm)):
+            self.bad_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.bad_steps >= self.cfg.train.max_bad_steps:
+                raise RuntimeError(
+                    f"{self.bad_steps} steps in a row had a non-finite loss or gradient (last loss {loss}); "
+                    "lower train.lr, raise train.warmup_steps or check the data"
+                )
+            return {"loss": loss, "grad_norm": float(grad_norm), "skipped": True}
+        self.bad_steps = 0
+        self.optimizer.step()
+        self.lr_schedule.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return {"loss": loss, "grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Mean loss of the held-out clips at fixed sigmas and fixed noise: comparable across steps."""
+        self.model.eval()
+        samples = [self.val_set[i] for i in self.val_indices]
+        losses = []
+        for k, sigma in enumerate(self.cfg.flow.val_sigmas):
+            clips = []
+            for s in samples:
+                clip = prepare_clip(s, self.encoder, self.patch, self.cfg.flow, 0.0, seed=10_000 + k, step=0)
+                clip.sigma = float(sigma)  # fixed, unshifted: the same question at every evaluation
+                clips.append(clip)
+            for group in pack_by_token_budget(
+                [c.num_tokens for c in clips], self.cfg.train.micro_batch_tokens
+            ):
+                mb = [clips[i] for i in group]
+                with self.autocast():
+                    loss = micro_batch_loss(
+                        self.model, mb, PackedAttention([c.num_tokens for c in mb]), len(clips)
+                    )
+                losses.append(loss.item())
+        return sum(losses) / len(self.cfg.flow.val_sigmas)
+
+    # ----------------------------------------------------------------------------- loop
+
+    def data_iterator(self):
+        sampler = GlobalBatchSampler(
+            self.train_indices, self.cfg.train.global_batch_size, self.cfg.data.seed, start_step=self.step
+        )
+        workers = self.cfg.data.num_workers
+        loader = DataLoader(
+            self.train_set,
+            batch_sampler=sampler,
+            collate_fn=keep_list,
+            num_workers=workers,
+            prefetch_factor=2 if workers else None,
+            persistent_workers=workers > 0,
+        )
+        return iter(loader)
+
+    def train(self) -> None:
+        t = self.cfg.train
+        dims = self.model.config
+        dim = dims.num_attention_heads * dims.attention_head_dim
+        if self.step == 0:
+            self.log({"step": 0, "val_loss": self.validation_loss()})
+        batches = self.data_iterator()
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        while self.step < t.max_steps:
+            started = time.perf_counter()
+            clips = self.prepare(next(batches), self.step)
+            metrics = self.train_step(clips)
+            seconds = time.perf_counter() - started
+            self.step += 1
+            tokens = [c.num_tokens for c in clips]
+            flops = train_step_flops(tokens, dim, dims.ffn_dim, dims.num_layers)
+            record = {
+                "step": self.step,
+                **metrics,
+                "lr": self.lr_schedule.get_last_lr()[0],
+                "tokens": sum(tokens),
+                "tokens_per_s": sum(tokens) / seconds,
+                "tflops": flops / seconds / 1e12,
+                "step_s": seconds,
+            }
+            if t.peak_tflops:
+                record["mfu"] = record["tflops"] / t.peak_tflops
+            if self.step % t.val_every == 0 or self.step == t.max_steps:
+                record["val_loss"] = self.validation_loss()
+            if self.step % t.log_every == 0 or "val_loss" in record:
+                self.log(record)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                self.save()
+        bar.close()
