@@ -1,0 +1,185 @@
+"""Local varlen attention kernels that expose the log-sum-exp, for ring attention.
+
+Ring attention computes a query shard against one K/V shard at a time and merges the partial
+results, so it needs each block's log-sum-exp (LSE) in the forward, and in the backward a kernel that
+takes the *final* output and LSE instead of recomputing its own softmax. ``dit/attention.py`` only
+exposes the plain output, so these live here. No ``torch.distributed`` in this file.
+
+Two implementations with one interface:
+- CUDA, fp16/bf16, flash-attn installed: ``flash_attn_varlen_func(..., return_attn_probs=True)`` and
+  flash-attn's varlen backward.
+- otherwise: torch's CPU flash-attention op per segment (the kernel SDPA itself uses on CPU), or plain
+  matmul-softmax if that op is missing; both exact in fp32.
+
+Segments: segment i of q attends segment i of k/v (``cu_seqlens_*`` (s+1,) offsets). Callers pass only
+segments that are non-empty on both sides.
+
+Legend: nq/nk = query/key tokens, h = heads, d = head dim. LSE layout is (h, nq) fp32, as flash-attn's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+try:  # flash-attn is an optional CUDA extra; the CPU path never needs it.
+    from flash_attn import flash_attn_varlen_func
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+    _flash_attn_varlen_backward = None
+
+
+def use_flash(q: torch.Tensor) -> bool:
+    return flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        yield bq[i], bq[i + 1], bk[i], bk[i + 1]
+
+
+def _max_len(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
+
+
+def _cpu_flash_available() -> bool:
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):  # pragma: no cover - older torch
+        return False
+
+
+_CPU_FLASH = _cpu_flash_available()
+
+
+def _bhld(x: torch.Tensor) -> torch.Tensor:
+    # (l, h, d) -> (1, h, l, d): the batch-first layout of torch's SDPA ops
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _lhd(x: torch.Tensor) -> torch.Tensor:
+    # (1, h, l, d) -> (l, h, d)
+    return x.squeeze(0).transpose(0, 1)
+
+
+@torch.no_grad()
+def attention_fwd_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (nq, h, d), k/v (nk, h, d) -> out (nq, h, d) in q's dtype, lse (h, nq) fp32. Scale 1/sqrt(d)."""
+    if use_flash(q):
+        cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+        out, lse, _ = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, _max_len(cu_q), _max_len(cu_k), causal=False, return_attn_probs=True
+        )
+        if lse.shape != (q.shape[1], q.shape[0]):
+            raise RuntimeError(
+                f"flash-attn returned an LSE of shape {tuple(lse.shape)}, expected (heads, total_q) = "
+                f"{(q.shape[1], q.shape[0])}; install flash-attn >= 2.6"
+            )
+        return out, lse.float()
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for qs, qe, ks, ke in _segments(cu_q, cu_k):
+        qi, ki, vi = q[qs:qe], k[ks:ke], v[ks:ke]
+        if _CPU_FLASH:
+            o, l_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _bhld(qi), _bhld(ki), _bhld(vi)
+            )
+            out[qs:qe], lse[:, qs:qe] = _lhd(o), l_[0]
+        else:  # pragma: no cover - older torch
+            s = torch.einsum("qhd,khd->hqk", qi.float(), ki.float()) * scale  # (h, lq, lk)
+            l_ = s.logsumexp(-1)  # (h, lq)
+            out[qs:qe] = torch.einsum("hqk,khd->qhd", (s - l_[..., None]).exp(), vi.float()).to(q.dtype)
+            lse[:, qs:qe] = l_
+    return out, lse
+
+
+def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k):
+    """flash-attn's varlen backward; its keyword names moved between releases, so match them by name."""
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = dict(
+        dout=dout.contiguous(),
+        q=q,
+        k=k,
+        v=v,
+        out=out.contiguous(),
+        softmax_lse=lse.contiguous(),
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=_max_len(cu_q),
+        max_seqlen_k=_max_len(cu_k),
+        dropout_p=0.0,
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]),
+        causal=False,
+        window_size=(-1, -1),
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+    )
+    params = inspect.signature(_flash_attn_varlen_backward).parameters
+    _flash_attn_varlen_backward(**{name: value for name, value in args.items() if name in params})
+    return dq, dk, dv
+
+
+@torch.no_grad()
+def attention_bwd_lse(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradient of one K/V block's share of an attention whose *final* output and LSE are given.
+
+    dout/out (nq, h, d) and lse (h, nq) are the merged results over all blocks; the softmax of this
+    block is then exp(s - lse), which is what makes the per-block gradients sum to the exact one.
+    Returns dq (nq, h, d), dk/dv (nk, h, d) in q's dtype.
+    """
+    if use_flash(q):
+        return _flash_bwd(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for qs, qe, ks, ke in _segments(cu_q, cu_k):
+        qi, ki, vi, oi, doi = q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], dout[qs:qe]
+        li = lse[:, qs:qe]
+        if _CPU_FLASH:
+            g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _bhld(doi).contiguous(),
+                _bhld(qi),
+                _bhld(ki),
+                _bhld(vi),
+                _bhld(oi).contiguous(),
+                li.unsqueeze(0).contiguous(),
+                0.0,
+                False,
+            )
+            dq[qs:qe], dk[ks:ke], dv[ks:ke] = (_lhd(x) for x in g)
+        else:  # pragma: no cover - older torch
+            qf, kf, vf, of, dof = (x.float() for x in (qi, ki, vi, oi, doi))
+            p = (torch.einsum("qhd,khd->hqk", qf, kf) * scale - li[..., None]).exp()  # (h, lq, lk)
+            dv[ks:ke] = torch.einsum("hqk,qhd->khd", p, dof).to(v.dtype)
+            dp = torch.einsum("qhd,khd->hqk", dof, vf)
+            delta = (dof * of).sum(-1).transpose(0, 1)  # (h, lq): rowsum(dO * O) of the final output
+            ds = p * (dp - delta[..., None]) * scale
+            dq[qs:qe] = torch.einsum("hqk,khd->qhd", ds, kf).to(q.dtype)
+            dk[ks:ke] = torch.einsum("hqk,qhd->khd", ds, qf).to(k.dtype)
+    return dq, dk, dv

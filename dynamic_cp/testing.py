@@ -1,0 +1,51 @@
+"""Run a function on a few CPU processes joined by gloo: for tests and benchmarks of CP code.
+
+    results = run_gloo(worker, 4, case_list)   # worker(rank, world_size, case_list) -> picklable
+
+The rendezvous is a FileStore in a fresh temporary directory, so concurrent runs never fight over a
+port. Each process uses one intra-op thread: several processes share few cores, and oversubscribed
+threads make gloo timeouts likely rather than anything faster.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_dir}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(store_dir, f"result{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> list:
+    """Spawn ``world_size`` gloo processes running ``fn(rank, world_size, *args)``; return their results.
+
+    ``fn`` must be importable (module level). An exception in any process is raised here.
+    """
+    with tempfile.TemporaryDirectory() as store_dir:
+        mp.spawn(_entry, args=(world_size, store_dir, fn, args, timeout_s), nprocs=world_size, join=True)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(store_dir, f"result{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

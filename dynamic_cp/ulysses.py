@@ -1,0 +1,100 @@
+"""Ulysses (DeepSpeed sequence parallel) attention over a CP group.
+
+Each rank holds a contiguous token shard of q, k, v with all heads. One all-to-all per tensor trades
+that for *all* tokens of the micro-batch and h/c of the heads; attention is then ordinary
+block-diagonal varlen attention over the full packed sequence, with the global clip lengths; a last
+all-to-all returns the output to token shards. Heads must divide by the group size c. Shard sizes may
+differ (by one token, or be empty), so the all-to-alls use unequal split sizes.
+
+Legend: n = packed tokens of the micro-batch, n_r = tokens of shard r, c = group size,
+h = heads, d = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dit.attention import cu_seqlens_from_lengths, varlen_attention
+from dynamic_cp.sharding import ShardInfo
+
+
+def _tokens_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
+    # (n_r, h, d) -> (c, n_r, h/c, d): head block j is the contiguous part bound for rank j
+    c, (n_r, h, d) = len(sizes), x.shape
+    send = x.reshape(n_r, c, h // c, d).transpose(0, 1).contiguous().reshape(c * n_r, h // c, d)
+    # (c * n_r, h/c, d) -all_to_all-> (n, h/c, d): rank i's tokens land in rank order, which is global
+    # token order because shards are contiguous. Split sizes differ when shards do (all_to_all_single,
+    # since gloo's list all_to_all needs equal sizes).
+    recv = x.new_empty(sum(sizes), h // c, d)
+    dist.all_to_all_single(recv, send, output_split_sizes=sizes, input_split_sizes=[n_r] * c, group=group)
+    return recv
+
+
+def _heads_to_tokens(y: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
+    # the inverse of _tokens_to_heads
+    c, n_r = len(sizes), sizes[dist.get_rank(group)]
+    _, h_c, d = y.shape
+    # (n, h/c, d) -all_to_all-> (c * n_r, h/c, d): rank j sends back its head block of our tokens
+    recv = y.new_empty(c * n_r, h_c, d)
+    dist.all_to_all_single(
+        recv, y.contiguous(), output_split_sizes=[n_r] * c, input_split_sizes=sizes, group=group
+    )
+    # (c, n_r, h/c, d) -> (n_r, h, d)
+    return recv.reshape(c, n_r, h_c, d).transpose(0, 1).reshape(n_r, c * h_c, d)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    """Token-sharded -> head-sharded; its backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _tokens_to_heads(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_tokens(grad, ctx.group, ctx.sizes), None, None
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    """Head-sharded -> token-sharded; its backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, y, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _heads_to_tokens(y, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_to_heads(grad, ctx.group, ctx.sizes), None, None
+
+
+def check_heads(num_heads: int, group_size: int) -> None:
+    if num_heads % group_size != 0:
+        raise ValueError(
+            f"Ulysses attention needs heads divisible by the CP group size, but heads={num_heads} and "
+            f"group size={group_size}; use method='ring' (any group size) or 'auto', or a group size "
+            f"that divides {num_heads}"
+        )
+
+
+class UlyssesAttention:
+    """``AttentionFn`` for one rank of a CP group: (n_r, h, d) q, k, v -> (n_r, h, d)."""
+
+    def __init__(self, group: dist.ProcessGroup, info: ShardInfo):
+        if dist.get_world_size(group) != info.num_shards or dist.get_rank(group) != info.rank:
+            raise ValueError("the shard info was made for another group or rank; build it from this group")
+        self.group, self.info = group, info
+        self.sizes = info.shard_sizes
+        self.cu_seqlens = cu_seqlens_from_lengths(info.seq_lens)  # global clips: attention sees them all
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_heads(q.shape[1], self.info.num_shards)
+        if q.shape[0] != self.info.num_local:
+            raise ValueError(f"q has {q.shape[0]} tokens but this rank's shard holds {self.info.num_local}")
+        # (n_r, h, d) -all_to_all-> (n, h/c, d), for each of q, k, v
+        q, k, v = (_TokensToHeads.apply(x, self.group, self.sizes) for x in (q, k, v))
+        out = varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens)  # (n, h/c, d)
+        # (n, h/c, d) -all_to_all-> (n_r, h, d)
+        return _HeadsToTokens.apply(out, self.group, self.sizes)

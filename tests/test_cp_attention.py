@@ -1,0 +1,148 @@
+"""CP attention (Ulysses, ring) on gloo CPU processes equals single-process PackedAttention.
+
+One spawn of 4 processes runs every case; groups of 2, 3 and 4 ranks are subgroups of that world,
+including groups that do not start at rank 0, as the Dynamic-CP runtime uses them. Each rank checks
+its own shard of the output and of dQ/dK/dV against the single-process reference, which every rank
+computes itself from the same seed.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dit.attention import PackedAttention
+from dynamic_cp.cp_attention import choose_method, make_cp_attention
+from dynamic_cp.sharding import gather_shards
+from dynamic_cp.testing import run_gloo
+
+WORLD = 4
+GROUPS = {"g01": [0, 1], "g23": [2, 3], "g123": [1, 2, 3], "g0123": [0, 1, 2, 3]}
+PACKINGS = {
+    "one_long": [37],
+    "many_short": [5, 3, 7, 4, 6, 2, 5, 3],
+    "mix_tiny_and_empty": [1, 2, 17, 0, 1, 9, 3],  # clips shorter than c, an empty clip, odd total
+    "fewer_tokens_than_ranks": [1, 2],  # some shards are empty
+}
+HEAD_DIM = 8
+TOL = 1e-5
+# Ulysses needs heads divisible by c: 12 divides 2, 3 and 4. Ring gets 3 heads, which 2 and 4 do not divide.
+CASES = [
+    (group, method, packing, 12 if method == "ulysses" else 3)
+    for group in GROUPS
+    for method in ("ulysses", "ring")
+    for packing in PACKINGS
+]
+GATHER_CASES = [("g123", "ring", "mix_tiny_and_empty", 3), ("g0123", "ulysses", "many_short", 12)]
+
+
+def case_id(case) -> str:
+    return "-".join(str(x) for x in case)
+
+
+def _inputs(case, seq_lens):
+    gen = torch.Generator().manual_seed(sum(map(ord, case_id(case))))
+    n, h = sum(seq_lens), case[3]
+    return [torch.randn(n, h, HEAD_DIM, generator=gen) for _ in range(4)]  # q, k, v, output weights
+
+
+def _reference(q, k, v, w, seq_lens):
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = PackedAttention(seq_lens)(q, k, v)
+    (out * w).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _run_case(case, group, gather: bool) -> dict[str, float]:
+    _, method, packing, _ = case
+    seq_lens = PACKINGS[packing]
+    q, k, v, w = _inputs(case, seq_lens)
+    ref = _reference(q, k, v, w, seq_lens)
+    attention, info = make_cp_attention(group, seq_lens, method=method, num_heads=q.shape[1])
+    local = [info.shard(x).clone().requires_grad_() for x in (q, k, v)]
+    out = attention(*local)
+    if gather:  # the loss is computed on the gathered output, identically on every rank
+        out = gather_shards(out, group, info)
+        (out * w).sum().backward()
+        got = [out.detach()] + [x.grad for x in local]
+        want = [ref[0]] + [info.shard(x) for x in ref[1:]]
+    else:  # each rank's loss covers its own tokens; the collectives' backward adds the rest
+        (out * info.shard(w)).sum().backward()
+        got = [out.detach()] + [x.grad for x in local]
+        want = [info.shard(x) for x in ref]
+    return {
+        name: float((a - b).abs().max()) if a.numel() else 0.0
+        for name, a, b in zip("o q k v".split(), got, want)
+    }
+
+
+def worker(rank: int, world_size: int) -> dict[str, object]:
+    groups = {name: dist.new_group(ranks) for name, ranks in GROUPS.items()}  # every rank creates every group
+    results = {}
+    for gather, case in [(False, c) for c in CASES] + [(True, c) for c in GATHER_CASES]:
+        if rank not in GROUPS[case[0]]:
+            continue
+        key = ("gather-" if gather else "") + case_id(case)
+        try:
+            results[key] = _run_case(case, groups[case[0]], gather)
+        except Exception:  # report it per case; the other ranks time out on the collective
+            results[key] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list]:
+    merged: dict[str, list] = {}
+    for per_rank in run_gloo(worker, WORLD):
+        for key, value in per_rank.items():
+            merged.setdefault(key, []).append(value)
+    return merged
+
+
+def _check(results, key, num_ranks):
+    assert key in results, f"no rank ran {key}"
+    assert len(results[key]) == num_ranks
+    for value in results[key]:
+        assert isinstance(value, dict), value  # a traceback string otherwise
+        assert max(value.values()) <= TOL, value
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cp_attention_matches_single_process(results, case):
+    _check(results, case_id(case), len(GROUPS[case[0]]))
+
+
+@pytest.mark.parametrize("case", GATHER_CASES, ids=case_id)
+def test_gather_shards_forward_and_backward(results, case):
+    _check(results, "gather-" + case_id(case), len(GROUPS[case[0]]))
+
+
+def test_choose_method():
+    assert choose_method("auto", 12, 1) == "local"
+    assert choose_method("auto", 12, 4) == "ulysses"
+    assert choose_method("auto", 6, 4) == "ring"
+    assert choose_method("ring", 12, 4) == "ring"
+    assert choose_method("ulysses", 12, 3) == "ulysses"
+    assert choose_method("ring", None, 3) == "ring"
+
+
+@pytest.mark.parametrize(
+    "method, heads, size, match",
+    [
+        ("ulysses", 6, 4, "use method='ring'"),
+        ("auto", None, 2, "needs num_heads"),
+        ("bogus", 4, 2, "not one of"),
+    ],
+)
+def test_choose_method_errors(method, heads, size, match):
+    with pytest.raises(ValueError, match=match):
+        choose_method(method, heads, size)
+
+
+def test_no_group_is_packed_attention():
+    attention, info = make_cp_attention(None, [3, 4], num_heads=2)
+    assert isinstance(attention, PackedAttention)
+    assert (info.start, info.end) == (0, 7) and info.local_seq_lens.tolist() == [3, 4]
