@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-TEXT_KINDS = ("t5", "umt5")
+TEXT_KINDS = ("t5", "umt5", "hashed")
 
 
 @runtime_checkable
@@ -53,9 +53,17 @@ def _sub(path: str, name: str) -> str:
 
 
 def load_text_encoder(
-    kind: str, path: str | os.PathLike, max_length: int = 512, device: str = "cpu", dtype=torch.float32
+    kind: str,
+    path: str | os.PathLike | None = None,
+    max_length: int = 512,
+    device: str = "cpu",
+    dtype=torch.float32,
 ) -> TextEncoder:
-    """A T5/UMT5 encoder and its tokenizer from a local folder."""
+    """A T5/UMT5 encoder and its tokenizer from a local folder (or the built-in ``hashed`` one)."""
+    if kind == "hashed":  # the built-in encoder of the tiny config (data/hashed_text.py): no folder needed
+        from data.hashed_text import HashedTextEncoder
+
+        return HashedTextEncoder()
     if kind not in TEXT_KINDS:
         raise ValueError(f"text encoder kind {kind!r} is unknown; use one of {TEXT_KINDS}")
     if path is None or not os.path.isdir(path):

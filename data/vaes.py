@@ -32,6 +32,8 @@ class VideoVAE(Protocol):
 class IdentityVAE:
     """Pixel-space training: latents are the pixels, stride (1, 1, 1)."""
 
+    kind = "identity"
+
     def __init__(self, channels: int = 3):
         self.latent_channels = channels
         self.stride = (1, 1, 1)

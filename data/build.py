@@ -1,0 +1,105 @@
+"""One entry point from config to dataset: ``build_dataset(source, **options)``.
+
+source:
+    "synthetic"                 built-in procedural clips (data/synthetic.py)
+    a folder                    every video under it, captions from sidecar <name>.txt
+    a .csv / .jsonl manifest    Open-Sora columns path,text,num_frames,height,width,fps
+    a cache folder              written by python -m data.cache (has index.json): latent samples
+    "pkg.module:ClassName"      your own dataset class (data/plugin.py)
+
+options: the ClipPolicy fields (data/clip_policy.py) for folders and manifests, plus the ones in
+``LOADING_OPTIONS``. docs/data.md lists them all with defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+
+from data.clip_policy import ClipPolicy
+
+POLICY_OPTIONS = tuple(f.name for f in dataclasses.fields(ClipPolicy))
+LOADING_OPTIONS = {
+    "max_failure_share": "share of broken files above which the run stops (default 0.05)",
+    "backend": "video reader: 'auto' (decord, else PyAV), 'decord' or 'pyav'",
+    "probe_workers": "threads that probe files lacking metadata (default 8)",
+    "progress": "show a progress bar while probing (default True)",
+    "plugin_args": "dict of keyword arguments for a plug-in class",
+}
+# Options every source accepts, because a trainer passes them whatever the source is.
+SHAPE_OPTIONS = ("vae_stride", "patch")
+
+
+def _unknown(source: str, options: dict, allowed) -> None:
+    extra = sorted(set(options) - set(allowed))
+    if extra:
+        raise ValueError(
+            f"data source {source!r} does not take option(s) {extra}; it takes {sorted(allowed)}"
+        )
+
+
+def build_dataset(source: str, **options):
+    """A dataset with ``meta(i)`` and ``__getitem__(i)`` as in data/types.py."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(
+            "data.source is empty: use 'synthetic', a folder, a .csv/.jsonl manifest, a cache folder or pkg.module:Class"
+        )
+    if source == "synthetic":
+        from data.synthetic import SyntheticClips  # the lead's module; imported only when asked for
+
+        takes = [p for p in inspect.signature(SyntheticClips).parameters if p != "self"]
+        _unknown(source, options, list(takes) + list(SHAPE_OPTIONS))
+        return SyntheticClips(**{k: v for k, v in options.items() if k in takes})
+
+    if os.path.isdir(source):
+        from data.cache_dataset import is_cache
+
+        if is_cache(source):
+            return _cache(source, options)
+        from data.manifest import list_folder
+
+        return _videos(source, list_folder(source), options)
+
+    if source.endswith((".csv", ".jsonl")):
+        if not os.path.isfile(source):
+            raise ValueError(
+                f"manifest {source} does not exist; check data.source (relative paths start at the working directory)"
+            )
+        from data.manifest import read_manifest
+
+        return _videos(source, read_manifest(source), options)
+
+    from data.plugin import PluginDataset, is_plugin
+
+    if is_plugin(source):
+        _unknown(source, options, ("plugin_args", "vae_stride", "patch"))
+        stride = options.get("vae_stride")
+        extra = {"vae_stride": tuple(stride)} if stride is not None else {}
+        return PluginDataset(source, **extra, **(options.get("plugin_args") or {}))
+    raise ValueError(
+        f"data source {source!r} is neither 'synthetic', an existing folder, a .csv/.jsonl manifest, "
+        "nor pkg.module:ClassName. Check the path."
+    )
+
+
+def _videos(source: str, rows, options: dict):
+    from data.video_dataset import VideoDataset
+
+    _unknown(source, options, POLICY_OPTIONS + tuple(k for k in LOADING_OPTIONS if k != "plugin_args"))
+    policy = ClipPolicy(**{k: v for k, v in options.items() if k in POLICY_OPTIONS})
+    loading = {k: v for k, v in options.items() if k not in POLICY_OPTIONS}
+    return VideoDataset(rows, policy, name=source, **loading)
+
+
+def _cache(source: str, options: dict):
+    from data.cache_dataset import LatentCacheDataset
+
+    _unknown(source, options, ("max_failure_share", "vae_stride", "patch"))
+    ds = LatentCacheDataset(source, options.get("max_failure_share", 0.05))
+    stride = options.get("vae_stride")
+    if stride is not None and tuple(stride) != ds.vae_stride:
+        raise ValueError(
+            f"cache {source} was encoded with vae_stride {ds.vae_stride}, the config asks for {tuple(stride)}"
+        )
+    return ds

@@ -1,0 +1,90 @@
+"""Read a latent + text-embedding cache written by ``python -m data.cache``.
+
+``meta(i)`` is the clip's pixel-space shape from the index (so ``num_tokens(*meta, vae_stride)``
+works as for a pixel dataset); ``__getitem__`` returns a latent sample. Shards open lazily, once per
+process, so the dataset is safe to hand to DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors import safe_open
+from torch.utils.data import Dataset
+
+from data.cache import FORMAT, INDEX
+from data.failures import FailureLog
+from data.types import ClipMeta
+
+
+def is_cache(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, INDEX))
+
+
+class LatentCacheDataset(Dataset):
+    def __init__(self, root: str, max_failure_share: float = 0.05):
+        index_path = os.path.join(root, INDEX)
+        if not os.path.isfile(index_path):
+            raise ValueError(f"{root} has no {INDEX}: build the cache with python -m data.cache first")
+        with open(index_path, encoding="utf-8") as f:
+            self.index = json.load(f)
+        if self.index.get("format") != FORMAT:
+            raise ValueError(f"{index_path} is not a {FORMAT} index (format={self.index.get('format')!r})")
+        self.root = root
+        self.samples = self.index["samples"]
+        if not self.samples:
+            raise ValueError(f"{root}: the cache holds no samples; see 'failed' and 'skipped' in {INDEX}")
+        self.vae_stride = tuple(self.index["vae"]["stride"])
+        self.latent_channels = self.index["latent_channels"]
+        self.text_dim = self.index["text_dim"]
+        self.failures = FailureLog(total=len(self.samples), max_failure_share=max_failure_share)
+        self._handles: dict[str, object] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def meta(self, i: int) -> ClipMeta:
+        return ClipMeta(*self.samples[i]["meta"])
+
+    def caption(self, i: int) -> str:
+        return self.samples[i]["caption"]
+
+    def _shard(self, name: str):
+        if os.getpid() != self._pid:  # a forked worker must not share the parent's file handles
+            self._handles, self._pid = {}, os.getpid()
+        if name not in self._handles:
+            self._handles[name] = safe_open(os.path.join(self.root, name), framework="pt")
+        return self._handles[name]
+
+    def load(self, i: int) -> dict:
+        s = self.samples[i]
+        shard = self._shard(s["shard"])
+        latent = shard.get_tensor(f"{s['key']}.latent").float()  # (c', f', h', w')
+        text_emb = shard.get_tensor(f"{s['key']}.text_emb").float()  # (l, d)
+        if list(latent.shape) != s["latent_shape"]:
+            raise ValueError(
+                f"latent of sample {i} has shape {list(latent.shape)}, index says {s['latent_shape']}"
+            )
+        return {"latent": latent, "text_emb": text_emb, "index": i}
+
+    def __getitem__(self, i: int) -> dict:
+        try:
+            return self.load(i)
+        except Exception as e:  # a damaged shard: count it, substitute a sample of the same shape
+            path = os.path.join(self.root, self.samples[i]["shard"])
+            self.failures.fail(path, "cache_read_error", str(e)[:200])
+            target = self.meta(i)
+            for k in range(1, len(self)):
+                j = (i + k) % len(self)
+                if self.meta(j) != target:
+                    continue
+                try:
+                    sample = self.load(j)
+                except Exception:
+                    continue
+                sample["index"] = i
+                sample["failures"] = [(path, "cache_read_error")]
+                return sample
+            raise RuntimeError(f"cache sample {i} is unreadable and no sample has its shape {target}") from e

@@ -1,0 +1,1 @@
+"""Runnable plug-in examples (see docs/data.md): ``source="data.examples.plugin:ColourRamps"``."""
