@@ -1,0 +1,303 @@
+"""Analytic time and memory model of one packed micro-batch of a video DiT under context parallelism.
+
+Every plan (ours, static CP, Megatron's) is scored by this one model, so comparisons are like for like.
+
+Time of a packed micro-batch of clips with lengths L_i on a CP group of c ranks, training (fwd+bwd),
+per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T text tokens:
+
+    linear      3 * layers * (12 d^2 + 4 d f) * n            / (peak * eff_gemm(n))
+    text k/v    3 * layers * 4 T d^2 * b                     / (peak * eff_gemm(n))   every rank needs it
+    attention   3.5 * layers * 4 d (L_i^2 + L_i T) / c       / (peak * eff_attn(L_i / c))   per clip, summed
+    comm        Ulysses all-to-alls (8 per layer per step) over u ranks, ring K/V passes over r = c / u
+                ranks hidden behind attention where it can; u = a power of two dividing the head count
+                (the cheapest split is taken); bandwidth drops ~10x once a group spans nodes
+    overhead    a fixed cost per micro-batch (launches, routing, loss bookkeeping)
+
+Efficiencies fall for small per-rank work: eff(n) = best * n / (n + half), so packing short clips into
+one micro-batch is cheaper than running them one by one. FLOP constants follow DESIGN.md: linear
+training = 3x forward, attention backward = 2.5x forward, bidirectional (no causal halving).
+
+Memory: model states (bf16 weights + fp32 master and Adam, optionally sharded over the data-parallel
+world as with FSDP/ZeRO) plus activations per token; ``token_cap`` is what fits per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+# Training multipliers (forward + backward over forward), see DESIGN.md "Costs".
+LINEAR_TRAIN = 3.0
+ATTN_TRAIN = 3.5
+BYTES_BF16 = 2
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU type and its interconnect; loaded from dynamic_cp/profiles/<name>.yaml or any path."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    gemm_efficiency: float  # best fraction of peak for large GEMMs
+    gemm_half_tokens: float  # per-rank tokens where GEMM efficiency is half its best
+    attention_efficiency: float  # best fraction of peak for long-sequence attention
+    attention_half_tokens: float  # per-rank query tokens where attention efficiency is half its best
+    intra_node_bandwidth: float  # all-to-all bytes/s per rank inside a node
+    inter_node_bandwidth: float  # all-to-all bytes/s per rank when a group spans nodes
+    intra_node_latency_s: float  # per collective call
+    inter_node_latency_s: float
+    gpus_per_node: int
+    micro_batch_overhead_s: float  # fixed cost per micro-batch, fwd+bwd
+    memory_bytes: float  # HBM per GPU
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"hardware profile field {f.name}={v!r} must be a non-negative number")
+        if not 0 < self.gemm_efficiency <= 1 or not 0 < self.attention_efficiency <= 1:
+            raise ValueError("gemm_efficiency and attention_efficiency must be in (0, 1]")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} must be at least 1")
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Hardware:
+        """A built-in profile name (h100, h200, a100) or a path to a YAML file with the same keys."""
+        path = Path(name_or_path)
+        if path.suffix in (".yaml", ".yml") or path.exists():
+            text = path.read_text()
+        else:
+            res = resources.files("dynamic_cp") / "profiles" / f"{name_or_path}.yaml"
+            if not res.is_file():
+                raise ValueError(
+                    f"unknown hardware profile {name_or_path!r}; use one of {builtin_profiles()} "
+                    "or a path to a .yaml profile (see `python -m dynamic_cp.calibrate`)"
+                )
+            text = res.read_text()
+        raw = yaml.safe_load(text)
+        names = {f.name for f in fields(cls)}
+        missing = names - set(raw)
+        if missing:
+            raise ValueError(f"hardware profile {name_or_path!r} lacks keys {sorted(missing)}")
+        # PyYAML reads 989.0e12 (no exponent sign) as a string, hence the float().
+        kw = {k: (raw[k] if k == "name" else float(raw[k])) for k in names}
+        kw["gpus_per_node"] = int(kw["gpus_per_node"])
+        return cls(**kw)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(asdict(self), sort_keys=False)
+
+
+def builtin_profiles() -> list[str]:
+    folder = resources.files("dynamic_cp") / "profiles"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Transformer shape the cost model needs."""
+
+    d: int  # hidden size
+    layers: int
+    ffn: int  # FFN inner width
+    heads: int
+    text_tokens: int = 512  # cross-attention context length
+
+    def __post_init__(self):
+        for f in fields(self):
+            if int(getattr(self, f.name)) < 0 or (f.name != "text_tokens" and getattr(self, f.name) < 1):
+                raise ValueError(f"model dimension {f.name}={getattr(self, f.name)} must be positive")
+
+    @property
+    def num_params(self) -> int:
+        # self-attn 4d^2 + cross-attn 4d^2 + FFN 2df per block; embeddings are negligible here.
+        return self.layers * (8 * self.d * self.d + 2 * self.d * self.ffn)
+
+
+# Name -> dims registry, like DiT's size table. Wan2.1 sizes from its config files.
+MODELS: dict[str, ModelDims] = {
+    "wan-1.3b": ModelDims(d=1536, layers=30, ffn=8960, heads=12, text_tokens=512),
+    "wan-14b": ModelDims(d=5120, layers=40, ffn=13824, heads=40, text_tokens=512),
+}
+
+
+class CostModel:
+    """Seconds per packed micro-batch and tokens per rank; see the module docstring for the formulas."""
+
+    def __init__(self, dims: ModelDims, hardware: Hardware, comm: str = "auto"):
+        if comm not in ("auto", "ulysses", "ring"):
+            raise ValueError(f"comm={comm!r}; use 'auto', 'ulysses' or 'ring'")
+        self.dims, self.hw, self.comm = dims, hardware, comm
+        d, f, T, layers = dims.d, dims.ffn, dims.text_tokens, dims.layers
+        self._lin_per_token = LINEAR_TRAIN * layers * (12 * d * d + 4 * d * f)
+        self._text_per_clip = LINEAR_TRAIN * layers * 4 * T * d * d
+        self._attn_coef = ATTN_TRAIN * layers * 4 * d  # times (L^2 + L T)
+
+    @classmethod
+    def from_dims(
+        cls,
+        d: int,
+        layers: int,
+        ffn: int,
+        heads: int,
+        text_tokens: int = 512,
+        hardware: str | Hardware = "h100",
+        comm: str = "auto",
+    ) -> CostModel:
+        hw = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
+        return cls(ModelDims(d, layers, ffn, heads, text_tokens), hw, comm)
+
+    @classmethod
+    def from_name(cls, model: str, hardware: str | Hardware = "h100", comm: str = "auto") -> CostModel:
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}; use one of {sorted(MODELS)}")
+        hw = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
+        return cls(MODELS[model], hw, comm)
+
+    # ---------------------------------------------------------------- efficiencies
+    def _gemm_rate(self, n):
+        hw = self.hw
+        return hw.peak_flops * hw.gemm_efficiency * n / (n + hw.gemm_half_tokens)
+
+    def _attn_rate(self, q):
+        hw = self.hw
+        return hw.peak_flops * hw.attention_efficiency * q / (q + hw.attention_half_tokens)
+
+    # ---------------------------------------------------------------- communication
+    def cp_layout(self, cp: int) -> list[tuple[int, int]]:
+        """(ulysses, ring) degree pairs the comm setting allows for a CP size; ulysses * ring = cp."""
+        if cp <= 1:
+            return [(1, 1)]
+        if self.comm == "ring":
+            return [(1, cp)]
+        # Ulysses splits heads, so its degree must divide the head count.
+        us = [u for u in range(1, cp + 1) if cp % u == 0 and self.dims.heads % u == 0]
+        if self.comm == "ulysses":
+            if cp not in us:
+                raise ValueError(
+                    f"Ulysses CP size {cp} does not divide heads={self.dims.heads}; use comm='auto' or 'ring'"
+                )
+            return [(cp, 1)]
+        return [(u, cp // u) for u in us]
+
+    def _comm_time(self, tokens, cp: int, attn_s, cross_node: bool | None, latency_share=1.0):
+        """Exposed communication seconds per rank for micro-batches of ``tokens`` on ``cp`` ranks.
+
+        Array-friendly: ``tokens``, ``attn_s`` (attention seconds the ring can hide behind) and
+        ``latency_share`` (fraction of the per-call latency charged) broadcast together.
+        """
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if cp <= 1:
+            return np.zeros_like(tokens)
+        hw, d, layers = self.hw, self.dims.d, self.dims.layers
+        per_rank = tokens / cp
+        best = np.full_like(tokens, np.inf)
+        for u, r in self.cp_layout(cp):
+            t = np.zeros_like(tokens)
+            if u > 1:
+                # Ulysses groups are contiguous ranks, so they stay in a node unless u itself spans nodes.
+                far = u > hw.gpus_per_node or (cross_node is True and r == 1)
+                bw = hw.inter_node_bandwidth if far else hw.intra_node_bandwidth
+                lat = hw.inter_node_latency_s if far else hw.intra_node_latency_s
+                t = t + 8 * layers * (lat * latency_share + per_rank * d * BYTES_BF16 * (u - 1) / u / bw)
+            if r > 1:
+                far = cp > hw.gpus_per_node if cross_node is None else cross_node
+                bw = hw.inter_node_bandwidth if far else hw.intra_node_bandwidth
+                lat = hw.inter_node_latency_s if far else hw.intra_node_latency_s
+                # Each step passes K and V of this rank's share (after Ulysses): 2 * 2 bytes * n * d/u * u;
+                # backward passes K, V and their grads again: 3x the forward volume.
+                ring = 3 * layers * (r - 1) * (lat * latency_share + 4 * per_rank * d / bw)
+                t = t + np.maximum(ring - attn_s, 0.0)  # ring overlaps with attention compute
+            best = np.minimum(best, t)
+        return best
+
+    # ---------------------------------------------------------------- time
+    def micro_batch_time(self, lengths, cp: int, cross_node: bool | None = None) -> float:
+        """Seconds for one training step (fwd+bwd) of the packed micro-batch ``lengths`` on ``cp`` ranks.
+
+        ``cross_node=None`` infers it: an aligned group spans nodes exactly when cp > gpus_per_node.
+        """
+        L = np.asarray(lengths, dtype=np.float64)
+        if L.size == 0:
+            return 0.0
+        if cp < 1:
+            raise ValueError(f"cp={cp} must be at least 1")
+        n = L.sum() / cp
+        lin = (self._lin_per_token * n + self._text_per_clip * L.size) / self._gemm_rate(n)
+        attn = float(
+            np.sum(self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp))
+        )
+        comm = float(self._comm_time(L.sum(), cp, attn, cross_node))
+        return self.hw.micro_batch_overhead_s + lin + attn + comm
+
+    def sample_times(self, lengths, cp: int, packed_tokens: float) -> np.ndarray:
+        """Per-clip share of a micro-batch's time, for clips packed into micro-batches holding about
+        ``packed_tokens`` tokens per rank: additive, so a solver can balance sums of them.
+
+        Overhead and collective latencies are charged in proportion to the clip's share of the pack.
+        """
+        L = np.asarray(lengths, dtype=np.float64)
+        n = max(float(packed_tokens), 1.0)
+        share = np.minimum((L / cp) / n, 1.0)
+        rate = self._gemm_rate(np.maximum(n, L / cp))
+        lin = (self._lin_per_token * L / cp + self._text_per_clip) / rate
+        attn = self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp)
+        comm = self._comm_time(L, cp, attn, None, latency_share=share)
+        return self.hw.micro_batch_overhead_s * share + lin + attn + comm
+
+    def ideal_time(self, lengths) -> np.ndarray:
+        """Per-clip seconds at best efficiency, no communication, no overhead: the lower bound's unit."""
+        L = np.asarray(lengths, dtype=np.float64)
+        hw = self.hw
+        lin = (self._lin_per_token * L + self._text_per_clip) / (hw.peak_flops * hw.gemm_efficiency)
+        attn = (
+            self._attn_coef * (L * L + L * self.dims.text_tokens) / (hw.peak_flops * hw.attention_efficiency)
+        )
+        return lin + attn
+
+    # ---------------------------------------------------------------- memory
+    def activation_bytes_per_token(self, activation_checkpointing: bool = False) -> float:
+        """Bytes of saved activations per token for the whole network (bf16).
+
+        A DiT block keeps about 16 d + 2 f values per token (norms, q/k/v, attention output,
+        cross-attention, FFN input and hidden before/after the activation, modulations). With full
+        checkpointing only each block's input survives, plus one block being recomputed.
+        """
+        d, f, layers = self.dims.d, self.dims.ffn, self.dims.layers
+        block = (16 * d + 2 * f) * BYTES_BF16
+        if activation_checkpointing:
+            return layers * d * BYTES_BF16 + block
+        return layers * block
+
+    def token_cap(
+        self,
+        shard_world: int = 1,
+        activation_checkpointing: bool = False,
+        memory_fraction: float = 0.9,
+    ) -> int:
+        """Most tokens one rank can hold in a micro-batch.
+
+        Model states take 2 bytes/param (bf16 weights) plus 14 bytes/param (fp32 master, Adam moments,
+        grads) sharded over ``shard_world`` ranks (FSDP/ZeRO); ``memory_fraction`` leaves room for the
+        allocator, NCCL buffers and workspace.
+        """
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
+        if shard_world < 1:
+            raise ValueError(f"shard_world={shard_world} must be at least 1")
+        p = self.dims.num_params
+        states = 2 * p + 14 * p / shard_world
+        free = self.hw.memory_bytes * memory_fraction - states
+        cap = int(free // self.activation_bytes_per_token(activation_checkpointing))
+        if cap < 1:
+            raise ValueError(
+                f"model states ({states / 1e9:.1f} GB) do not fit in {self.hw.memory_bytes / 1e9:.0f} GB; "
+                "shard them over more ranks (shard_world) or use a larger GPU profile"
+            )
+        return cap

@@ -1,0 +1,69 @@
+"""Which rank groups exist: aligned contiguous blocks of each allowed CP size, plus the whole world.
+
+The runtime builds one torch process group per entry of ``allowed_groups`` at start-up, and the
+planner only ever uses those entries. Blocks are aligned (a block of size c starts at a multiple of c),
+so the groups form a laminar family: two groups are either disjoint or one contains the other. That
+is what keeps a rank in only log2(W) + 1 groups and lets plan-ordered execution run without holes.
+"""
+
+from __future__ import annotations
+
+
+def default_cp_sizes(world_size: int) -> tuple[int, ...]:
+    """Powers of two up to the world size, plus the world size itself when it is not one."""
+    check_world_size(world_size)
+    sizes = []
+    c = 1
+    while c <= world_size:
+        sizes.append(c)
+        c *= 2
+    if sizes[-1] != world_size:
+        sizes.append(world_size)
+    return tuple(sizes)
+
+
+def check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+
+
+def normalize_cp_sizes(world_size: int, cp_sizes=None) -> tuple[int, ...]:
+    """Sorted, de-duplicated CP sizes; each must be a power of two <= world size, or the world size."""
+    if cp_sizes is None:
+        return default_cp_sizes(world_size)
+    sizes = sorted({int(c) for c in cp_sizes})
+    if not sizes:
+        raise ValueError("cp_sizes is empty; pass None for the default (powers of two up to the world size)")
+    for c in sizes:
+        pow2 = c >= 1 and c & (c - 1) == 0
+        if c != world_size and (not pow2 or c > world_size):
+            raise ValueError(
+                f"CP size {c} is not allowed for world size {world_size}: use powers of two up to "
+                f"{world_size} or the world size itself, e.g. {default_cp_sizes(world_size)}"
+            )
+    return tuple(sizes)
+
+
+def blocks_of_size(world_size: int, cp: int) -> list[tuple[int, ...]]:
+    """Aligned contiguous blocks of ``cp`` ranks that fit in the world (one block when cp == world)."""
+    if cp == world_size:
+        return [tuple(range(world_size))]
+    return [tuple(range(s, s + cp)) for s in range(0, world_size - cp + 1, cp)]
+
+
+def allowed_groups(world_size: int, cp_sizes=None) -> list[tuple[int, ...]]:
+    """Every rank group the planner may use, smallest size first, then by first rank.
+
+    Single ranks are included (CP size 1 needs no process group, but listing it keeps the planner's
+    view and the runtime's in one place).
+    """
+    check_world_size(world_size)
+    groups: list[tuple[int, ...]] = []
+    for c in normalize_cp_sizes(world_size, cp_sizes):
+        groups.extend(blocks_of_size(world_size, c))
+    return groups
+
+
+def groups_of_rank(rank: int, world_size: int, cp_sizes=None) -> list[tuple[int, ...]]:
+    """The allowed groups that contain ``rank``: one per CP size at most."""
+    return [g for g in allowed_groups(world_size, cp_sizes) if rank in g]

@@ -1,0 +1,125 @@
+"""Replay a plan under the cost model: per-rank timelines, the step time, the lower bound, a Gantt chart.
+
+Execution rules are the runtime's: every rank runs its micro-batches in plan order, and a micro-batch
+starts when all of its ranks are free. A barrier (Megatron's scheduler only) makes every rank wait for
+the slowest. The step time is the critical path: the last rank to finish. The gradient all-reduce at
+the end of the step is the same for every plan and is left out.
+
+Lower bound (DESIGN.md): the step cannot beat the larger of (a) all the work at best efficiency with
+no communication or overhead, spread evenly over every rank, and (b) the largest clip alone at its
+best feasible CP size. Efficiency = bound / step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynamic_cp.cost_model import CostModel
+from dynamic_cp.groups_layout import normalize_cp_sizes
+from dynamic_cp.plan_types import Plan
+
+
+@dataclass
+class Schedule:
+    """Simulated timeline: one (start, end, micro-batch index) list per rank."""
+
+    step_s: float
+    rank_segments: list[list[tuple[float, float, int]]]
+    mb_times: list[float]
+
+    def busy_fraction(self) -> float:
+        busy = sum(e - s for segs in self.rank_segments for s, e, _ in segs)
+        return busy / (self.step_s * len(self.rank_segments)) if self.step_s > 0 else 1.0
+
+
+def spans_nodes(ranks, gpus_per_node: int) -> bool:
+    return len({r // gpus_per_node for r in ranks}) > 1
+
+
+def simulate(plan: Plan, lengths, cost_model: CostModel, barrier_s: float | None = None) -> Schedule:
+    """Critical-path replay of ``plan``. ``barrier_s`` is the cost of one barrier (default: one
+    inter-node collective latency)."""
+    lengths = np.asarray(lengths)
+    hw = cost_model.hw
+    if barrier_s is None:
+        barrier_s = hw.inter_node_latency_s if plan.world_size > hw.gpus_per_node else hw.intra_node_latency_s
+    free = np.zeros(plan.world_size)
+    segments: list[list[tuple[float, float, int]]] = [[] for _ in range(plan.world_size)]
+    barriers = set(plan.barriers_after)
+    times = []
+    for i, (ranks, ids) in enumerate(plan.micro_batches):
+        idx = list(ranks)
+        t = cost_model.micro_batch_time(lengths[list(ids)], len(idx), spans_nodes(idx, hw.gpus_per_node))
+        start = float(free[idx].max())
+        free[idx] = start + t
+        times.append(t)
+        for r in idx:
+            segments[r].append((start, start + t, i))
+        if i in barriers:
+            free[:] = free.max() + barrier_s
+    return Schedule(float(free.max()) if len(free) else 0.0, segments, times)
+
+
+def best_single_time(
+    length: int, cost_model: CostModel, world_size: int, cap_tokens: float, cp_sizes=None
+) -> float:
+    """Fastest time of one clip alone over the CP sizes where it fits in memory."""
+    best = np.inf
+    for c in normalize_cp_sizes(world_size, cp_sizes):
+        if length <= cap_tokens * c:
+            best = min(best, cost_model.micro_batch_time([length], c))
+    return float(best)
+
+
+def lower_bound(lengths, cost_model: CostModel, world_size: int, cap_tokens: float, cp_sizes=None) -> float:
+    """max(total ideal work / world size, largest clip at its best feasible CP size)."""
+    lengths = np.asarray(lengths)
+    if lengths.size == 0:
+        return 0.0
+    work = float(cost_model.ideal_time(lengths).sum()) / world_size
+    longest = int(lengths.max())
+    return max(work, best_single_time(longest, cost_model, world_size, cap_tokens, cp_sizes))
+
+
+def gantt(schedule: Schedule, plan: Plan, lengths, path: str, title: str = "") -> None:
+    """Per-rank Gantt chart PNG: one row per rank, one bar per micro-batch, coloured by CP size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    world = plan.world_size
+    sizes = sorted({len(r) for r, _ in plan.micro_batches})
+    cmap = plt.get_cmap("viridis", max(len(sizes), 2))
+    color = {c: cmap(i) for i, c in enumerate(sizes)}
+    fig, ax = plt.subplots(figsize=(12, max(3.0, 0.22 * world + 1.5)))
+    for r, segs in enumerate(schedule.rank_segments):
+        bars = [(s, e - s) for s, e, _ in segs]
+        cols = [color[len(plan.micro_batches[i][0])] for _, _, i in segs]
+        ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=cols, edgecolor="white", linewidth=0.4)
+    for b in plan.barriers_after:
+        # barrier times are where every rank's segment after it starts; mark at the max end so far
+        ends = [e for segs in schedule.rank_segments for s, e, i in segs if i <= b]
+        if ends:
+            ax.axvline(max(ends), color="red", linewidth=0.6, alpha=0.6)
+    ax.set_ylim(-0.6, world - 0.4)
+    ax.invert_yaxis()
+    ax.set_xlim(0, schedule.step_s * 1.02)
+    ax.set_xlabel("seconds into the step")
+    ax.set_ylabel("rank")
+    if world <= 32:
+        ax.set_yticks(range(world))
+    ax.set_title(title or f"step {schedule.step_s:.3f} s on {world} ranks")
+    ax.legend(
+        handles=[Patch(color=color[c], label=f"CP {c}") for c in sizes],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=len(sizes),
+        frameon=False,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
