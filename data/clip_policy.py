@@ -154,7 +154,8 @@ class ClipPolicy:
         span = (meta.num_frames - 1) * step
         slack = max(0.0, info.num_frames - 1 - span)
         start = slack / 2 if self.crop == "centre" else self._rng(index).uniform(0, slack)
-        return [min(info.num_frames - 1, int(round(start + k * step))) for k in range(meta.num_frames)]
+        # floor(x + 0.5), not round(): banker's rounding would make the spacing uneven
+        return [min(info.num_frames - 1, math.floor(start + k * step + 0.5)) for k in range(meta.num_frames)]
 
     def to_tensor(self, frames: np.ndarray, meta: ClipMeta, index: int) -> torch.Tensor:
         """(f, h, w, 3) uint8 -> (3, f, H, W) float32 in [-1, 1]: resize to cover, then crop."""

@@ -47,6 +47,8 @@ def _check_file(path: str) -> None:
     # Cheap checks first: they give clearer reasons than a decoder error string.
     if not os.path.exists(path):
         raise VideoReadError(path, "missing_file")
+    if not os.path.isfile(path):
+        raise VideoReadError(path, "not_a_file", "a directory or device, not a video file")
     if not os.access(path, os.R_OK):
         raise VideoReadError(path, "unreadable", "no read permission")
     if os.path.getsize(path) == 0:

@@ -1,0 +1,46 @@
+"""Real media for the data tests, encoded with imageio-ffmpeg's ffmpeg (H.264 mp4, VP9 webm)."""
+
+from __future__ import annotations
+
+import os
+
+from data.media import make_video
+
+# (name, width, height, fps, frames): several resolutions, rates, durations and both codecs.
+CLIPS = [
+    ("h264_48x32_24fps.mp4", 48, 32, 24, 30),
+    ("vp9_32x24_30fps.webm", 32, 24, 30, 21),
+    ("h264_64x36_25fps.mp4", 64, 36, 25, 50),
+    ("vp9_40x56_12fps.webm", 40, 56, 12, 13),
+    ("h264_32x32_8fps.mp4", 32, 32, 8, 3),
+]
+
+
+def make_clips(folder: str, captions: bool = True) -> list[str]:
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for name, w, h, fps, n in CLIPS:
+        p = make_video(os.path.join(folder, name), w, h, fps, n)
+        if captions:
+            with open(os.path.splitext(p)[0] + ".txt", "w") as f:
+                f.write(f"a test pattern, {w}x{h} at {fps} fps")
+        paths.append(p)
+    return paths
+
+
+def make_broken(folder: str, good_mp4: str) -> dict[str, str]:
+    """Broken files next to good ones: name -> expected failure reason."""
+    os.makedirs(folder, exist_ok=True)
+    data = open(good_mp4, "rb").read()
+    out = {}
+
+    def write(name, payload, reason):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(payload)
+        out[os.path.join(folder, name)] = reason
+
+    write("zero.mp4", b"", "zero_bytes")
+    write("notes.mp4", b"this is not a video\n" * 20, "not_a_video_or_corrupt")
+    write("truncated.mp4", data[: len(data) // 2], "not_a_video_or_corrupt")  # moov atom lost
+    write("garbage.webm", os.urandom(4096), "not_a_video_or_corrupt")
+    return out

@@ -1,0 +1,113 @@
+"""Broken files never stop a run: skipped, counted, logged with path and reason; too many is an error."""
+
+import csv
+import logging
+import os
+import shutil
+
+import pytest
+from _data_media import make_broken, make_clips
+
+from data import scan
+from data.build import build_dataset
+from data.failures import TooManyFailures
+from data.loader import build_dataloader
+from data.media import make_video
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return make_clips(str(tmp_path_factory.mktemp("good")))
+
+
+@pytest.fixture()
+def mixed(good, tmp_path):
+    """Five good clips, four broken files, one clip too short for the policy below."""
+    root = tmp_path / "mixed"
+    shutil.copytree(os.path.dirname(good[0]), root)
+    broken = make_broken(str(root), good[0])
+    make_video(root / "short.mp4", 32, 32, 24, 2)
+    return str(root), broken
+
+
+def test_scan_time_failures_are_counted_logged_and_reported(mixed, caplog):
+    root, broken = mixed
+    with caplog.at_level(logging.WARNING, logger="data"):
+        ds = build_dataset(
+            root, min_frames=3, vae_stride=(1, 1, 1), patch=(1, 1, 1), max_failure_share=0.5, progress=False
+        )
+    assert len(ds) == 5
+    assert ds.failures.failed == broken  # every broken file, with its reason
+    assert ds.failures.skipped == {os.path.join(root, "short.mp4"): "too_short"}
+    for path in broken:
+        assert path in caplog.text
+    summary = ds.failures.summary()
+    assert "10 files, 4 failed" in summary and "1 skipped" in summary and "zero_bytes=1" in summary
+    assert all(p in ds.failures.report() for p in list(broken) + [os.path.join(root, "short.mp4")])
+
+
+def test_above_the_share_the_run_stops_and_names_files(mixed):
+    root, broken = mixed
+    with pytest.raises(TooManyFailures) as e:
+        build_dataset(root, max_failure_share=0.2, progress=False)
+    assert "4 of 10 files failed" in str(e.value)
+    assert any(p in str(e.value) for p in broken) and "max_failure_share" in str(e.value)
+
+
+def test_manifest_rows_with_missing_files_are_skipped(good, tmp_path, capsys):
+    man = tmp_path / "m.csv"
+    scan.main([os.path.dirname(good[0]), "--out", str(man)])
+    rows = list(csv.DictReader(open(man)))
+    rows.append(dict(rows[0], path="gone.mp4"))  # metadata present, file absent
+    with open(man, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    ds = build_dataset(str(man), max_failure_share=0.5, progress=False)
+    assert len(ds) == 5 and ds.failures.failed == {str(tmp_path / "gone.mp4"): "missing_file"}
+    out = tmp_path / "clean.csv"
+    scan.main([str(man), "--out", str(out)])  # scan drops it and lists it
+    assert "1 failed" in capsys.readouterr().out
+    assert "gone.mp4" in open(str(out) + ".failures.csv").read()
+    assert len(list(csv.DictReader(open(out)))) == 5
+
+
+def _break_after_scan(good, tmp_path):
+    """A manifest whose metadata is right but two files were damaged after the scan."""
+    folder = tmp_path / "late"
+    shutil.copytree(os.path.dirname(good[0]), folder)
+    man = tmp_path / "late.csv"
+    scan.main([str(folder), "--out", str(man)])
+    victims = [str(folder / "h264_48x32_24fps.mp4"), str(folder / "vp9_32x24_30fps.webm")]
+    open(victims[0], "wb").write(open(victims[0], "rb").read()[:600])  # truncated
+    open(victims[1], "wb").write(b"")  # emptied
+    return str(man), victims
+
+
+def test_load_time_failure_returns_a_deterministic_replacement_of_the_same_shape(good, tmp_path):
+    man, victims = _break_after_scan(good, tmp_path)
+    opts = dict(fps=8, max_frames=5, resolution=32, max_failure_share=0.5, progress=False)
+    ds = build_dataset(man, **opts)
+    assert not ds.failures.failed  # metadata looked fine: found only when decoding
+    bad = [i for i in range(len(ds)) if ds.path(i) in victims]
+    for i in bad:
+        s = ds[i]
+        assert s["index"] == i and tuple(s["video"].shape[1:]) == tuple(vars(ds.meta(i)).values())
+        assert s["failures"][0][0] == ds.path(i)
+    assert set(ds.failures.failed) == set(victims)
+    again = build_dataset(man, **opts)  # a fresh process-like copy picks the same stand-in
+    for i in bad:
+        assert (again[i]["video"] == ds[i]["video"]).all()
+
+
+def test_worker_failures_reach_the_main_process_and_the_share_check(good, tmp_path):
+    man, victims = _break_after_scan(good, tmp_path)
+    ds = build_dataset(man, fps=8, max_frames=5, resolution=32, max_failure_share=0.5, progress=False)
+    loader = build_dataloader(ds, batch_size=2, num_workers=2, seed=0)
+    seen = [s["index"] for batch in loader for s in batch]
+    assert sorted(seen) == list(range(len(ds)))
+    assert set(ds.failures.failed) == set(victims)  # merged from the worker copies
+    strict = build_dataset(man, fps=8, max_frames=5, resolution=32, max_failure_share=0.1, progress=False)
+    with pytest.raises(TooManyFailures, match="max_failure_share"):
+        for _ in build_dataloader(strict, batch_size=2, num_workers=2):
+            pass
