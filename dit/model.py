@@ -35,6 +35,26 @@ from torch.utils.checkpoint import checkpoint
 from dit.attention import AttentionFn, cu_seqlens_from_lengths, varlen_attention
 
 
+def pad_text(text: torch.Tensor, text_lens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l, text_dim) captions -> (b*length, text_dim), each zero-padded to ``length``, and new lengths.
+
+    Wan pads every umT5 caption with zeros to 512 tokens and cross-attends to the padding too (the
+    text projection maps zero rows to a learned vector), so a Wan checkpoint only sees its training
+    distribution when its captions are padded the same way.
+    """
+    lens = text_lens.to(text.device)
+    if lens.numel() and int(lens.max()) > length:
+        raise ValueError(
+            f"a caption has {int(lens.max())} text tokens but text_pad_len is {length}; "
+            f"set data.text_max_length <= {length}"
+        )
+    clip = torch.repeat_interleave(torch.arange(lens.numel(), device=text.device), lens)  # (l,)
+    within = torch.arange(text.shape[0], device=text.device) - (torch.cumsum(lens, 0) - lens)[clip]
+    padded = text.new_zeros(lens.numel() * length, text.shape[1])
+    padded[clip * length + within] = text
+    return padded, torch.full_like(text_lens, length)
+
+
 def per_token(per_clip: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """(b, ...) -> (n, ...): repeat each clip's row for each of its tokens on this process."""
     if per_clip.shape[0] == 1:  # one clip: broadcasting avoids materializing n copies
@@ -171,7 +191,11 @@ class DiTBlock(nn.Module):
 
 
 class VideoDiT(ModelMixin, ConfigMixin):
-    """Packed video DiT. Config names follow diffusers' WanTransformer3DModel where they overlap."""
+    """Packed video DiT. Config names follow diffusers' WanTransformer3DModel where they overlap.
+
+    ``text_pad_len`` (ours, not diffusers'): zero-pad each caption to this many tokens as Wan's pipeline
+    does (512 for Wan checkpoints, set by ``dit.wan_import``); None uses the captions as given.
+    """
 
     _supports_gradient_checkpointing = True
     _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
@@ -193,6 +217,7 @@ class VideoDiT(ModelMixin, ConfigMixin):
         eps: float = 1e-6,
         rope_max_seq_len: int = 1024,
         adaln_zero_init: bool = True,
+        text_pad_len: int | None = None,
     ):
         super().__init__()
         dim = num_attention_heads * attention_head_dim
@@ -251,6 +276,8 @@ class VideoDiT(ModelMixin, ConfigMixin):
         t_freq = ce.timesteps_proj(timesteps.float())  # (b, freq_dim)
         temb = ce.time_embedder(t_freq.to(ce.time_embedder.linear_1.weight.dtype)).type_as(tokens)  # (b, D)
         modulation = ce.time_proj(F.silu(temb)).unflatten(1, (6, -1))  # (b, 6, D)
+        if self.config.text_pad_len is not None:  # Wan's zero-padded captions (see pad_text)
+            text, text_lens = pad_text(text, text_lens, self.config.text_pad_len)  # (b*L, text_dim)
         context = ce.text_embedder(text.to(tokens.dtype))  # (l, D)
         text_cu_seqlens = cu_seqlens_from_lengths(text_lens)
         rope = self.rope(positions)
