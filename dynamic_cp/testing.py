@@ -3,7 +3,8 @@
     results = run_gloo(worker, 4, case_list)   # worker(rank, world_size, case_list) -> picklable
 
 The rendezvous is a FileStore in a fresh temporary directory, so concurrent runs never fight over a
-port. Each process uses one intra-op thread: several processes share few cores, and oversubscribed
+port. Processes are forked where the platform allows: they inherit the imported modules (torch,
+diffusers), which otherwise take most of a short test's time to import again in every process. Each process uses one intra-op thread: several processes share few cores, and oversubscribed
 threads make gloo timeouts likely rather than anything faster.
 """
 
@@ -38,12 +39,20 @@ def _entry(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple
 
 
 def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> list:
-    """Spawn ``world_size`` gloo processes running ``fn(rank, world_size, *args)``; return their results.
+    """Start ``world_size`` gloo processes running ``fn(rank, world_size, *args)``; return their results.
 
-    ``fn`` must be importable (module level). An exception in any process is raised here.
+    ``fn`` should be importable (module level) so that it also works where processes are spawned.
+    An exception in any process is raised here.
     """
+    start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as store_dir:
-        mp.spawn(_entry, args=(world_size, store_dir, fn, args, timeout_s), nprocs=world_size, join=True)
+        mp.start_processes(
+            _entry,
+            args=(world_size, store_dir, fn, args, timeout_s),
+            nprocs=world_size,
+            join=True,
+            start_method=start_method,
+        )
         results = []
         for rank in range(world_size):
             with open(os.path.join(store_dir, f"result{rank}.pkl"), "rb") as f:
