@@ -1,0 +1,243 @@
+"""Multi-process training with static or Dynamic context parallelism: what ``train.py`` runs under torchrun.
+
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.yaml parallel.mode=dynamic
+
+One step on every rank (see ``dynamic_cp/iterator.py`` for the data half):
+1. ``DynamicCPBatches`` gathers lengths, plans, loads this rank's share and routes clips, giving the
+   rank its micro-batches in plan order;
+2. each micro-batch runs forward and backward with its group's CP attention on this rank's token
+   shard; collectives block until the whole group is there, so plan order needs no barrier;
+3. one SUM all-reduce over the world carries every gradient, the loss and the step timeline. The
+   loss weights (``dit/flow.py``) make the summed gradient the single-process gradient of the global
+   batch, so no division by the world size follows;
+4. ``Trainer.finish_step`` (clip, non-finite guard, AdamW, EMA) runs on identical gradients on every
+   rank, so the replicas stay identical without broadcasting weights.
+
+Rank 0 alone writes metrics and checkpoints; every rank reads the checkpoint when resuming (a shared
+file system, as on any cluster). The model is replicated on every rank (no FSDP yet).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dit.clips import micro_batch_loss
+from dit.config import Config
+from dit.flops import train_step_flops
+from dit.setup import clip_tokens, vae_stride
+from dit.trainer import Trainer
+from dynamic_cp.cp_attention import make_cp_attention
+from dynamic_cp.groups import build_cp_groups
+from dynamic_cp.iterator import DynamicCPBatches, StepBatch
+from dynamic_cp.step_plans import build_cost_model, cp_sizes_of, make_plan_fn
+from dynamic_cp.step_stats import StepTimeline
+
+
+class DistributedTrainer(Trainer):
+    """``Trainer`` whose steps run on a plan over ``world``; everything else (model, optimizer, EMA,
+    checkpoints, validation) is the single-process trainer's."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        world: dist.ProcessGroup,
+        resume: str | None = None,
+        device: torch.device | None = None,
+    ):
+        if cfg.parallel.mode not in ("static", "dynamic"):
+            raise ValueError(
+                f"parallel.mode={cfg.parallel.mode!r}; the distributed runtime needs 'static' or 'dynamic'"
+            )
+        self.world = world
+        self.rank, self.world_size = dist.get_rank(world), dist.get_world_size(world)
+        self.is_main = self.rank == 0
+        # Same seed on every rank (Trainer seeds before building the model): identical replicas.
+        super().__init__(cfg, resume=resume, device=device)
+        self.groups = build_cp_groups(world, cp_sizes_of(cfg, self.world_size))
+        self.cost_model = build_cost_model(cfg, self.model.config)
+        self.plan_fn = make_plan_fn(cfg, self.cost_model, self.world_size)
+        self.stride = vae_stride(cfg.data)
+
+    # ----------------------------------------------------------------------------- rank-0 side effects
+
+    def _truncate_metrics(self, step: int) -> None:
+        if self.is_main:
+            super()._truncate_metrics(step)
+
+    def log(self, record: dict) -> None:
+        if self.is_main:
+            super().log(record)
+
+    def save(self):
+        # Replicas are identical, so rank 0's state is everyone's.
+        return super().save() if self.is_main else None
+
+    # ----------------------------------------------------------------------------- data
+
+    def data_iterator(self) -> DynamicCPBatches:
+        c = self.cfg
+        return DynamicCPBatches(
+            self.train_set,
+            self.train_indices,
+            global_batch_size=c.train.global_batch_size,
+            data_seed=c.data.seed,
+            start_step=self.step,
+            world=self.world,
+            token_fn=lambda i: clip_tokens(self.train_set.meta(i), self.patch, self.stride),
+            prepare_fn=lambda sample, step: self.prepare([sample], step)[0],
+            plan_fn=self.plan_fn,
+            device=self.device,
+            plan_ahead=c.parallel.plan_ahead,
+            num_workers=c.data.num_workers,
+        )
+
+    # ----------------------------------------------------------------------------- one step
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # timestamps must see finished kernels, not queued ones
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self, batch: StepBatch) -> dict:
+        """This rank's micro-batches in plan order, one all-reduce, then the optimizer step."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        heads = self.model.config.num_attention_heads
+        timeline = StepTimeline(batch.plan, self.rank)
+        self._sync()
+        t0 = time.perf_counter()
+        local_loss = 0.0
+        for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
+            ready = time.perf_counter() - t0
+            attention, shard = make_cp_attention(
+                self.groups.get(ranks), [c.num_tokens for c in clips], self.cfg.parallel.cp_method, heads
+            )
+            token_range = (shard.start, shard.end) if len(ranks) > 1 else None
+            with self.autocast():
+                loss = micro_batch_loss(self.model, clips, attention, batch.num_clips, token_range)
+            loss.backward()
+            local_loss += loss.item()
+            self._sync()
+            timeline.record(m, ready, time.perf_counter() - t0)
+        timeline.finish(time.perf_counter() - t0)
+        total_loss, gathered = self._all_reduce(local_loss, timeline.local())
+        metrics = self.finish_step(total_loss)
+        hist = batch.plan.cp_histogram()
+        return {
+            **metrics,
+            "num_micro_batches": len(batch.plan.micro_batches),
+            "cp_hist": {str(c): n for c, n in hist.items()},
+            "predicted_s": batch.plan.predicted_step_s,
+            **timeline.summarize(gathered),
+            "plan_ms": batch.plan.solver_ms,
+            **{k: round(v, 6) for k, v in batch.timings.items()},
+        }
+
+    def _all_reduce(self, local_loss: float, timeline: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """SUM of gradients, loss and timeline over the world, as one flat buffer and one collective.
+
+        A parameter without a gradient (this rank ran nothing, or no clip used it) contributes zeros.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        parts = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params
+        ]
+        dtype = parts[0].dtype if parts else torch.float32
+        extra = torch.cat([torch.tensor([local_loss], dtype=torch.float64), timeline]).to(self.device, dtype)
+        flat = torch.cat([*(x.to(dtype) for x in parts), extra])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+        return float(flat[offset]), flat[offset + 1 :]
+
+    # ----------------------------------------------------------------------------- loop
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        # Replicas are identical; only the rank that logs evaluates (the others wait in the next
+        # step's first collective).
+        return super().validation_loss() if self.is_main else float("nan")
+
+    def train(self) -> None:
+        t = self.cfg.train
+        dims = self.model.config
+        dim = dims.num_attention_heads * dims.attention_head_dim
+        if self.step == 0:
+            self.log({"step": 0, "val_loss": self.validation_loss()})
+        batches = self.data_iterator()
+        bar = tqdm(
+            total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True, disable=not self.is_main
+        )
+        try:
+            while self.step < t.max_steps:
+                started = time.perf_counter()
+                batch = next(batches)
+                metrics = self.train_step(batch)
+                seconds = time.perf_counter() - started
+                self.step += 1
+                tokens = sum(batch.lengths)
+                flops = train_step_flops(batch.lengths, dim, dims.ffn_dim, dims.num_layers)
+                record = {
+                    "step": self.step,
+                    **metrics,
+                    "lr": self.lr_schedule.get_last_lr()[0],
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / seconds,
+                    "tflops": flops / seconds / 1e12,
+                    "step_s": seconds,
+                    "world_size": self.world_size,
+                }
+                if t.peak_tflops:
+                    record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
+                if self.step % t.val_every == 0 or self.step == t.max_steps:
+                    record["val_loss"] = self.validation_loss()
+                if self.step % t.log_every == 0 or "val_loss" in record:
+                    self.log(record)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", mbs=metrics["num_micro_batches"])
+                bar.update(1)
+                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                    self.save()
+        finally:
+            bar.close()
+            batches.close()
+
+
+def train_distributed(
+    cfg: Config, world: dist.ProcessGroup, resume: str | None = None, device: torch.device | None = None
+) -> DistributedTrainer:
+    """Train on an initialized process group (``world``); returns the trainer (tests read it)."""
+    trainer = DistributedTrainer(cfg, world, resume=resume, device=device)
+    trainer.train()
+    return trainer
+
+
+def run_distributed(cfg: Config, resume: str | None = None) -> None:
+    """Entry point of ``train.py`` for parallel.mode != 'none': one process per rank, from torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"parallel.mode={cfg.parallel.mode} needs one process per rank: launch with "
+            "`torchrun --nproc_per_node=N train.py ...` (or set parallel.mode=none for one process)"
+        )
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Several ranks share the cores of one machine; oversubscribed threads only slow gloo down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    try:
+        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
+    finally:
+        dist.destroy_process_group()

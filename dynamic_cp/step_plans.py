@@ -1,0 +1,67 @@
+"""The plan function the runtime calls every step: Dynamic-CP planner or static CP, from the config.
+
+Both return a ``Plan`` whose ``predicted_step_s`` is the simulator's critical path under the same
+cost model, so predicted times of the two modes are comparable with each other and with the
+measured ones in the logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dit.config import Config
+from dynamic_cp.baselines import static_plan
+from dynamic_cp.cost_model import CostModel
+from dynamic_cp.groups_layout import normalize_cp_sizes
+from dynamic_cp.plan_types import Plan
+from dynamic_cp.planner import plan as dynamic_plan
+
+# The built-in hashed text encoder keeps at most this many words; real encoders pad or cut captions
+# to data.text_max_length tokens.
+HASHED_TEXT_TOKENS = 64
+
+
+def cp_sizes_of(cfg: Config, world_size: int) -> tuple[int, ...]:
+    """Allowed CP sizes of this run: static mode uses exactly one."""
+    p = cfg.parallel
+    if p.mode == "static":
+        c = p.static_cp_size
+        if c > world_size or world_size % c:
+            raise ValueError(
+                f"parallel.static_cp_size={c} must divide the number of ranks ({world_size}); "
+                f"use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+            )
+        return normalize_cp_sizes(world_size, [c])
+    return normalize_cp_sizes(world_size, p.cp_sizes)
+
+
+def cap_tokens_of(cfg: Config) -> int:
+    return cfg.parallel.cap_tokens if cfg.parallel.cap_tokens is not None else cfg.train.micro_batch_tokens
+
+
+def build_cost_model(cfg: Config, model_config) -> CostModel:
+    """Cost model of the configured VideoDiT on the configured hardware profile."""
+    heads = model_config.num_attention_heads
+    text = HASHED_TEXT_TOKENS if cfg.data.text_encoder == "hashed" else cfg.data.text_max_length
+    return CostModel.from_dims(
+        d=heads * model_config.attention_head_dim,
+        layers=model_config.num_layers,
+        ffn=model_config.ffn_dim,
+        heads=heads,
+        text_tokens=text,
+        hardware=cfg.parallel.hardware,
+        comm=cfg.parallel.cp_method,
+    )
+
+
+def make_plan_fn(cfg: Config, cost_model: CostModel, world_size: int) -> Callable[[list[int]], Plan]:
+    """lengths -> Plan for ``parallel.mode`` ('dynamic' or 'static'); pure, safe in a thread."""
+    cap = cap_tokens_of(cfg)
+    sizes = cp_sizes_of(cfg, world_size)
+    if cfg.parallel.mode == "dynamic":
+        return lambda lengths: dynamic_plan(lengths, world_size, cap, cost_model, cp_sizes=sizes)
+    if cfg.parallel.mode == "static":
+        # Round-robin over the W/c groups, first-fit packing up to cap * c tokens: static CP as a
+        # plain sharded loader does it (dynamic_cp.baselines).
+        return lambda lengths: static_plan(lengths, world_size, cap, cost_model, cp_sizes=sizes)
+    raise ValueError(f"parallel.mode={cfg.parallel.mode!r} runs in one process; use 'static' or 'dynamic'")

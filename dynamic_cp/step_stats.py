@@ -1,0 +1,58 @@
+"""Measured timeline of one step, gathered for free inside the gradient all-reduce.
+
+Each rank records, for each of its micro-batches, when it was ready to start it and when it finished,
+in seconds since its own step start (taken right after the routing all-to-all, which every rank leaves
+at nearly the same moment; it is the clock alignment, good to the all-to-all's exit skew). Every
+(micro-batch, member) pair and every rank's compute end owns one slot of a vector; a rank fills only
+its own slots, so the SUM all-reduce that already carries the gradients acts as an all-gather and no
+extra collective is needed. The vector has 2 * sum(CP sizes) + W entries: small next to gradients.
+
+From the gathered timeline: a micro-batch really starts when its last member is ready (its first
+collective blocks until then); a rank is busy from that start to its own end of the micro-batch, and
+idle for the rest of the compute window (waiting for group peers, or done before the slowest rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynamic_cp.plan_types import Plan
+
+
+class StepTimeline:
+    def __init__(self, plan: Plan, rank: int):
+        self.plan, self.rank, self.world_size = plan, rank, plan.world_size
+        self._slot: dict[tuple[int, int], int] = {}  # (micro-batch, rank) -> slot
+        for m, (ranks, _) in enumerate(plan.micro_batches):
+            for r in ranks:
+                self._slot[(m, r)] = len(self._slot)
+        self.num_slots = len(self._slot)
+        self.size = 2 * self.num_slots + self.world_size
+        self._values = torch.zeros(self.size, dtype=torch.float64)
+
+    def record(self, m: int, ready_s: float, end_s: float) -> None:
+        """This rank was ready for plan micro-batch ``m`` at ``ready_s`` and finished it at ``end_s``."""
+        k = self._slot[(m, self.rank)]
+        self._values[2 * k] = ready_s
+        self._values[2 * k + 1] = end_s
+
+    def finish(self, end_s: float) -> None:
+        """This rank's last micro-batch ended (or it had none) at ``end_s``."""
+        self._values[2 * self.num_slots + self.rank] = end_s
+
+    def local(self) -> torch.Tensor:
+        """(size,) this rank's slots filled, zeros elsewhere: what goes into the SUM all-reduce."""
+        return self._values
+
+    def summarize(self, gathered: torch.Tensor) -> dict:
+        """Statistics from the summed vector (identical on every rank)."""
+        v = gathered.double().cpu()
+        rank_end = v[2 * self.num_slots :]
+        window = float(rank_end.max()) if self.world_size else 0.0
+        busy = [0.0] * self.world_size
+        for m, (ranks, _) in enumerate(self.plan.micro_batches):
+            start = max(float(v[2 * self._slot[(m, r)]]) for r in ranks)
+            for r in ranks:
+                busy[r] += max(float(v[2 * self._slot[(m, r)] + 1]) - start, 0.0)
+        idle = [max(0.0, 1.0 - b / window) if window > 0 else 0.0 for b in busy]
+        return {"compute_s": window, "idle_share": [round(x, 4) for x in idle]}
