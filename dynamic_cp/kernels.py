@@ -9,7 +9,7 @@ Two implementations with one interface:
 - CUDA, fp16/bf16, flash-attn installed: ``flash_attn_varlen_func(..., return_attn_probs=True)`` and
   flash-attn's varlen backward.
 - otherwise: torch's CPU flash-attention op per segment (the kernel SDPA itself uses on CPU), or plain
-  matmul-softmax if that op is missing; both exact in fp32.
+  matmul-softmax (fp32 on CUDA, or a torch without that op); both exact in fp32.
 
 Segments: segment i of q attends segment i of k/v (``cu_seqlens_*`` (s+1,) offsets). Callers pass only
 segments that are non-empty on both sides.
@@ -73,10 +73,11 @@ def attention_fwd_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (nq, h, d), k/v (nk, h, d) -> out (nq, h, d) in q's dtype, lse (h, nq) fp32. Scale 1/sqrt(d)."""
     if use_flash(q):
+        max_q, max_k = _max_len(cu_q), _max_len(cu_k)  # before the copy: no device sync
         cu_q = cu_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_k.to(device=q.device, dtype=torch.int32)
         out, lse, _ = flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, _max_len(cu_q), _max_len(cu_k), causal=False, return_attn_probs=True
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=False, return_attn_probs=True
         )
         if lse.shape != (q.shape[1], q.shape[0]):
             raise RuntimeError(
@@ -89,12 +90,12 @@ def attention_fwd_lse(
     scale = 1.0 / math.sqrt(q.shape[-1])
     for qs, qe, ks, ke in _segments(cu_q, cu_k):
         qi, ki, vi = q[qs:qe], k[ks:ke], v[ks:ke]
-        if _CPU_FLASH:
+        if _CPU_FLASH and q.device.type == "cpu":
             o, l_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 _bhld(qi), _bhld(ki), _bhld(vi)
             )
             out[qs:qe], lse[:, qs:qe] = _lhd(o), l_[0]
-        else:  # pragma: no cover - older torch
+        else:  # fp32 on CUDA, or an older torch
             s = torch.einsum("qhd,khd->hqk", qi.float(), ki.float()) * scale  # (h, lq, lk)
             l_ = s.logsumexp(-1)  # (h, lq)
             out[qs:qe] = torch.einsum("hqk,khd->qhd", (s - l_[..., None]).exp(), vi.float()).to(q.dtype)
@@ -104,6 +105,7 @@ def attention_fwd_lse(
 
 def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k):
     """flash-attn's varlen backward; its keyword names moved between releases, so match them by name."""
+    max_q, max_k = _max_len(cu_q), _max_len(cu_k)  # before the copy: no device sync
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -119,8 +121,8 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k):
         dv=dv,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
-        max_seqlen_q=_max_len(cu_q),
-        max_seqlen_k=_max_len(cu_k),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
         dropout_p=0.0,
         softmax_scale=1.0 / math.sqrt(q.shape[-1]),
         causal=False,
@@ -161,7 +163,7 @@ def attention_bwd_lse(
     for qs, qe, ks, ke in _segments(cu_q, cu_k):
         qi, ki, vi, oi, doi = q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], dout[qs:qe]
         li = lse[:, qs:qe]
-        if _CPU_FLASH:
+        if _CPU_FLASH and q.device.type == "cpu":
             g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _bhld(doi).contiguous(),
                 _bhld(qi),
@@ -173,7 +175,7 @@ def attention_bwd_lse(
                 False,
             )
             dq[qs:qe], dk[ks:ke], dv[ks:ke] = (_lhd(x) for x in g)
-        else:  # pragma: no cover - older torch
+        else:  # fp32 on CUDA, or an older torch
             qf, kf, vf, of, dof = (x.float() for x in (qi, ki, vi, oi, doi))
             p = (torch.einsum("qhd,khd->hqk", qf, kf) * scale - li[..., None]).exp()  # (h, lq, lk)
             dv[ks:ke] = torch.einsum("hqk,qhd->khd", p, dof).to(v.dtype)
