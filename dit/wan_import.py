@@ -324,7 +324,7 @@ def export_wan(
 ) -> Path:
     """Write ``model`` as a diffusers WanTransformer3DModel folder (config.json + safetensors).
 
-    dtype None keeps each tensor's dtype. Checkpoints over ``max_shard_bytes`` are sharded with an index,
+    dtype None keeps each tensor's dtype (a cast keeps diffusers' fp32 modules in fp32). Checkpoints over ``max_shard_bytes`` are sharded with an index,
     as diffusers writes them; one shard is converted and written at a time.
     """
     out = Path(out_dir)
@@ -333,6 +333,8 @@ def export_wan(
     config = wan_config(model)
     cfg = model.config
     state = model.state_dict()  # references, not copies
+    # Norms, time embedding and modulation tables stay fp32 in a bf16 export, as diffusers keeps them.
+    keep_fp32 = set(model._keep_in_fp32_modules or ()) if dtype is not None else set()
     sizes = {n: t.numel() * (dtype or t.dtype).itemsize for n, t in state.items()}
     shards: list[list[str]] = [[]]
     used = 0
@@ -353,7 +355,8 @@ def export_wan(
         tensors = {}
         for name in names:
             t = ours_to_wan(name, state[name].detach(), cfg.patch_size, cfg.in_channels)
-            tensors[name] = (t if dtype is None else t.to(dtype)).contiguous().cpu()
+            target = torch.float32 if keep_fp32 & set(name.split(".")) else dtype
+            tensors[name] = (t if target is None else t.to(target)).contiguous().cpu()
         save_file(tensors, out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         del tensors
