@@ -53,9 +53,11 @@ def model_kwargs(size: str, overrides: dict | None = None) -> dict:
     if size not in MODEL_SIZES:
         raise ValueError(f"model size {size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
     kwargs = dict(MODEL_SIZES[size])
+    import inspect
+
     from dit.model import VideoDiT
 
-    valid = set(VideoDiT.__init__.__code__.co_varnames[1 : VideoDiT.__init__.__code__.co_argcount])
+    valid = set(inspect.signature(VideoDiT.__init__).parameters) - {"self"}
     for key, value in (overrides or {}).items():
         if key not in valid:
             raise ValueError(

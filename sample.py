@@ -1,0 +1,104 @@
+"""Sample clips from a checkpoint and write them as .mp4 (and optionally a PNG frame grid).
+
+    python sample.py --checkpoint runs/tiny --prompt "a red circle moving right on a black background"
+
+Loads the EMA weights by default. Same seed and arguments, same clip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+
+def slug(text: str, limit: int = 60) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:limit] or "unconditional"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="run directory (its latest checkpoint) or a step_* dir"
+    )
+    parser.add_argument("--prompt", action="append", help="a prompt; repeat for several")
+    parser.add_argument("--prompts-file", help="a text file with one prompt per line")
+    parser.add_argument(
+        "--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights"
+    )
+    parser.add_argument("--frames", type=int, default=9)
+    parser.add_argument("--height", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=30, help="Euler steps")
+    parser.add_argument(
+        "--guidance", type=float, default=4.0, help="classifier-free guidance scale; 1 disables"
+    )
+    parser.add_argument("--shift", type=float, default=None, help="sigma shift; default: by token count")
+    parser.add_argument("--negative-prompt", default="")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=int, default=8)
+    parser.add_argument(
+        "--upscale", type=int, default=4, help="nearest-neighbour enlargement of the written files"
+    )
+    parser.add_argument("--grid", action="store_true", help="also write a PNG grid of all frames")
+    parser.add_argument("--out", default=None, help="output directory (default: <run>/samples)")
+    args = parser.parse_args(argv)
+
+    try:
+        return run(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    import imageio.v2 as imageio
+    import torch
+    import yaml
+
+    from dit.checkpoint import resolve_checkpoint
+    from dit.config import Config, from_dict
+    from dit.model import VideoDiT
+    from dit.sampling import frame_grid, generate, to_uint8_frames
+    from dit.setup import build_text_encoder, build_vae
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt given; pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    step_dir = resolve_checkpoint(args.checkpoint)
+    weights = step_dir / args.weights
+    if not weights.is_dir():
+        raise ValueError(
+            f"{weights} does not exist; this checkpoint has no {args.weights} weights, try --weights model"
+        )
+    cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = VideoDiT.from_pretrained(weights).to(device).eval()
+    text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
+    vae = build_vae(cfg.data, device)
+    videos = generate(
+        model, text_encoder, vae, prompts, args.frames, args.height, args.width,
+        steps=args.steps, guidance=args.guidance, shift=args.shift, seed=args.seed,
+        negative_prompt=args.negative_prompt,
+    )  # fmt: skip
+    out = Path(args.out) if args.out else step_dir.parent.parent / "samples"
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, video) in enumerate(zip(prompts, videos)):
+        path = out / f"{i:02d}_{slug(prompt)}_seed{args.seed}.mp4"
+        frames = to_uint8_frames(video, args.upscale).numpy()
+        imageio.mimwrite(path, list(frames), fps=args.fps, codec="libx264", macro_block_size=1, quality=8)
+        print(path)
+    if args.grid:
+        path = out / f"grid_seed{args.seed}.png"
+        imageio.imwrite(path, frame_grid(videos, args.upscale).numpy())
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from dit.packing import check_divisible, grid_positions, pack, patchify, unpack, unpatchify
+
+
+@pytest.mark.parametrize(
+    "shape,patch",
+    [
+        ((3, 5, 6, 10), (1, 2, 2)),
+        ((4, 6, 9, 3), (2, 3, 1)),
+        ((1, 1, 4, 4), (1, 4, 4)),
+        ((5, 7, 2, 2), (7, 1, 2)),
+    ],
+)
+def test_patchify_round_trip_odd_shapes(shape, patch):
+    x = torch.randn(shape)
+    tokens = patchify(x, patch)
+    c, f, h, w = shape
+    assert tokens.shape == (
+        (f // patch[0]) * (h // patch[1]) * (w // patch[2]),
+        c * patch[0] * patch[1] * patch[2],
+    )
+    grid = (f // patch[0], h // patch[1], w // patch[2])
+    assert torch.equal(unpatchify(tokens, grid, patch), x)
+
+
+def test_patch_layout_is_channels_last_within_a_patch():
+    x = torch.arange(2 * 1 * 2 * 2, dtype=torch.float32).reshape(2, 1, 2, 2)
+    # one patch of (pt=1, ph=2, pw=2) over 2 channels: values ordered (ph, pw, c)
+    assert patchify(x, (1, 2, 2)).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+
+
+def test_pack_unpack_mixed_shapes_and_positions():
+    clips = [torch.randn(3, 5, 6, 10), torch.randn(3, 1, 4, 4), torch.randn(3, 3, 2, 8)]
+    packed = pack(clips, (1, 2, 2))
+    assert packed.seq_lens.tolist() == [75, 4, 12]
+    assert packed.tokens.shape[0] == packed.positions.shape[0] == 91
+    for clip, back in zip(clips, unpack(packed, packed.tokens, (1, 2, 2))):
+        assert torch.equal(clip, back)
+    # positions restart at 0 for each clip and follow (t, h, w) row-major order
+    first, second = packed.split(packed.positions)[:2]
+    assert first[0].tolist() == [0, 0, 0] and first[-1].tolist() == [4, 2, 4]
+    assert second.tolist() == grid_positions((1, 2, 2)).tolist()
+
+
+def test_indivisible_shape_error_names_axis_and_fix():
+    with pytest.raises(ValueError, match="height=7 is not divisible by the patch size 2"):
+        check_divisible((5, 7, 8), (1, 2, 2))
+    with pytest.raises(ValueError, match="empty"):
+        pack([], (1, 2, 2))
