@@ -21,13 +21,17 @@ def ffmpeg_exe() -> str:
     return imageio_ffmpeg.get_ffmpeg_exe()
 
 
-def make_video(path: str | os.PathLike, width: int, height: int, fps: float, num_frames: int) -> str:
-    """Encode a moving test pattern of exactly ``num_frames`` frames; the codec follows the extension."""
+def make_video(
+    path: str | os.PathLike, width: int, height: int, fps: float, num_frames: int, gop: int | None = None
+) -> str:
+    """Encode a moving test pattern of exactly ``num_frames`` frames; the codec follows the extension.
+    ``gop``: keyframe interval in frames (None: the encoder's default, 250 for x264)."""
     path = str(path)
     ext = os.path.splitext(path)[1].lower()
     if ext not in CODECS:
         raise ValueError(f"make_video: extension {ext!r} unsupported; use one of {sorted(CODECS)}")
     cmd = [ffmpeg_exe(), "-y", "-hide_banner", "-loglevel", "error", "-f", "lavfi"]
     cmd += ["-i", f"testsrc2=size={width}x{height}:rate={fps}", "-frames:v", str(num_frames)]
-    subprocess.run(cmd + CODECS[ext] + [path], check=True)
+    gop_args = [] if gop is None else ["-g", str(gop)]
+    subprocess.run(cmd + CODECS[ext] + gop_args + [path], check=True)
     return path

@@ -118,22 +118,51 @@ def _probe_pyav(path: str) -> VideoInfo:
         )
 
 
+def _packet_index(container, stream) -> tuple[list[int], list[int]] | None:
+    """Presentation timestamps of all frames, in order, and those of keyframes: demux only, no decoding.
+    None when timestamps are missing (some AVI files): the caller then decodes from the start."""
+    pts, keys = [], []
+    for p in container.demux(stream):
+        if p.size == 0:
+            continue  # the flush packet at the end
+        if p.pts is None:
+            return None
+        pts.append(p.pts)
+        if p.is_keyframe:
+            keys.append(p.pts)
+    pts.sort()
+    return (pts, keys) if pts and len(set(pts)) == len(pts) else None
+
+
 def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
-    wanted = sorted(set(indices))
-    last, got = wanted[-1], {}
+    wanted = set(indices)
+    first, last = min(indices), max(indices)
+    got = {}
     with _open_av(path) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         try:
-            for i, frame in enumerate(container.decode(stream)):
+            index = _packet_index(container, stream) if first > 0 else None
+            if index is not None and last < len(index[0]):
+                # Seek to the keyframe before the first wanted frame and find frames by timestamp, as
+                # decord does: a clip from the middle of a long file costs one GOP, not the whole prefix.
+                pts, keys = index
+                position = {t: i for i, t in enumerate(pts)}
+                container.seek(max([k for k in keys if k <= pts[first]] or [pts[0]]), stream=stream)
+                frames = ((position.get(f.pts, -1), f) for f in container.decode(stream))
+            else:
+                container.seek(0)
+                frames = enumerate(container.decode(stream))
+            for i, frame in frames:
                 if i in wanted:
                     got[i] = frame.to_ndarray(format="rgb24")
                 if i >= last:
                     break  # stop at the last frame needed: never decode the rest of the file
         except Exception as e:
             raise VideoReadError(path, "decode_error", str(e)[:200]) from e
-    if last not in got:
-        raise VideoReadError(path, "too_few_frames", f"needs frame {last}, decoded {len(got)} of those asked")
+    missing = wanted - set(got)
+    if missing:
+        raise VideoReadError(path, "too_few_frames", f"frames {sorted(missing)[:5]} not decodable")
     return np.stack([got[i] for i in indices])
 
 
