@@ -91,7 +91,7 @@ class _Ring:
         Returns the receive buffer and the requests to wait on. Both ends know the shard sizes, so an
         empty shard is skipped on both sides without a message.
         """
-        # (2, n_shard, h, d) -isend-> next;  prev -irecv-> (2, n_{shard-1}, h, d)
+        # K/V or dK/dV: (2, n_shard, h, d) -isend-> next;  prev -irecv-> (2, n_{shard-1}, h, d)
         incoming = (shard - 1) % self.info.num_shards
         recv = x.new_empty(x.shape[0], self.sizes[incoming], *x.shape[2:])
         ops = []
@@ -108,6 +108,8 @@ def _wait(reqs: list) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """(n_r, h, d) q, k, v -> (n_r, h, d); saves the final output and LSE, so backward only recomputes."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
         c = ring.info.num_shards
