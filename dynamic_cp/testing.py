@@ -44,7 +44,9 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> 
     ``fn`` should be importable (module level) so that it also works where processes are spawned.
     An exception in any process is raised here.
     """
-    start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    # A forked child would inherit a process group or a CUDA context of this process: spawn then.
+    can_fork = "fork" in mp.get_all_start_methods() and not dist.is_initialized()
+    start_method = "fork" if can_fork and not torch.cuda.is_initialized() else "spawn"
     with tempfile.TemporaryDirectory() as store_dir:
         mp.start_processes(
             _entry,
