@@ -6,7 +6,7 @@ Time of a packed micro-batch of clips with lengths L_i on a CP group of c ranks,
 per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T text tokens:
 
     linear      3 * layers * (12 d^2 + 4 d f) * n            / (peak * eff_gemm(n))
-    text k/v    3 * layers * 4 T d^2 * b                     / (peak * eff_gemm(n))   every rank needs it
+    text k/v    3 * layers * 4 T d^2 * b                     / (peak * eff_gemm(T b))  every rank needs it
     attention   3.5 * layers * 4 d (L_i^2 + L_i T) / c       / (peak * eff_attn(L_i / c))   per clip, summed
     comm        Ulysses all-to-alls (8 per layer per step) over u ranks, ring K/V passes over r = c / u
                 ranks hidden behind attention where it can; u = a power of two dividing the head count
@@ -223,18 +223,53 @@ class CostModel:
 
         ``cross_node=None`` infers it: an aligned group spans nodes exactly when cp > gpus_per_node.
         """
-        L = np.asarray(lengths, dtype=np.float64)
-        if L.size == 0:
-            return 0.0
         if cp < 1:
             raise ValueError(f"cp={cp} must be at least 1")
-        n = L.sum() / cp
-        lin = (self._lin_per_token * n + self._text_per_clip * L.size) / self._gemm_rate(n)
-        attn = float(
-            np.sum(self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp))
+        if len(lengths) == 0:
+            return 0.0
+        return float(self.micro_batch_times([lengths], [cp], [cross_node])[0])
+
+    def micro_batch_times(self, batches, cps, cross_nodes=None) -> np.ndarray:
+        """``micro_batch_time`` for many micro-batches at once (vectorized; the simulator's hot path).
+
+        batches: list of length lists; cps: CP size of each; cross_nodes: None or a bool/None each.
+        """
+        counts = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+        flat = np.concatenate([np.asarray(b, dtype=np.float64) for b in batches]) if batches else np.zeros(0)
+        return self.flat_micro_batch_times(flat, counts, cps, cross_nodes)
+
+    def flat_micro_batch_times(self, flat_lengths, counts, cps, cross_nodes=None) -> np.ndarray:
+        """Same as ``micro_batch_times`` with the batches concatenated: ``counts[i]`` lengths each."""
+        counts = np.asarray(counts, dtype=np.int64)
+        out = np.zeros(counts.size)
+        nonempty = counts > 0
+        if not nonempty.any():
+            return out
+        L = np.asarray(flat_lengths, dtype=np.float64)
+        cp = np.asarray(cps, dtype=np.float64)
+        sel = np.flatnonzero(nonempty)
+        starts = (np.cumsum(counts) - counts)[sel]
+        cp_el = np.repeat(cp, counts)
+        attn_el = self._attn_coef * (L * L + L * self.dims.text_tokens) / cp_el / self._attn_rate(L / cp_el)
+        attn = np.add.reduceat(attn_el, starts)
+        tokens = np.add.reduceat(L, starts)
+        n = tokens / cp[sel]
+        b = counts[sel]
+        # Text k/v projections are GEMMs over the clips' text tokens, so their size is T * b, not n.
+        lin = self._lin_per_token * n / self._gemm_rate(n) + self._text_per_clip * b / self._gemm_rate(
+            self.dims.text_tokens * b
         )
-        comm = float(self._comm_time(L.sum(), cp, attn, cross_node))
-        return self.hw.micro_batch_overhead_s + lin + attn + comm
+        comm = np.zeros(sel.size)
+        cross = [None] * counts.size if cross_nodes is None else list(cross_nodes)
+        keys: dict = {}
+        for j, i in enumerate(sel.tolist()):
+            if cps[i] > 1:
+                keys.setdefault((int(cps[i]), cross[i]), []).append(j)
+        for (c, x), idx in keys.items():
+            idx = np.asarray(idx)
+            comm[idx] = self._comm_time(tokens[idx], c, attn[idx], x)
+        out[sel] = self.hw.micro_batch_overhead_s + lin + attn + comm
+        return out
 
     def sample_times(self, lengths, cp: int, packed_tokens: float) -> np.ndarray:
         """Per-clip share of a micro-batch's time, for clips packed into micro-batches holding about
@@ -246,7 +281,9 @@ class CostModel:
         n = max(float(packed_tokens), 1.0)
         share = np.minimum((L / cp) / n, 1.0)
         rate = self._gemm_rate(np.maximum(n, L / cp))
-        lin = (self._lin_per_token * L / cp + self._text_per_clip) / rate
+        lin = self._lin_per_token * L / cp / rate + self._text_per_clip / self._gemm_rate(
+            self.dims.text_tokens
+        )
         attn = self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp)
         comm = self._comm_time(L, cp, attn, None, latency_share=share)
         return self.hw.micro_batch_overhead_s * share + lin + attn + comm

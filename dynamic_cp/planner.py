@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from bisect import bisect_left
 
 import numpy as np
 
@@ -100,17 +99,25 @@ class _Placement:
     def block_starts(self, c: int) -> list[int]:
         return [0] if c == self.world else list(range(0, self.world - c + 1, c))
 
-    def place(self, c: int, ids: list[int], t: np.ndarray) -> None:
+    def place(self, c: int, ids: np.ndarray, t: np.ndarray) -> None:
         """LPT: longest clip first onto the block that is free earliest (ties: lowest rank)."""
         starts = self.block_starts(c)
-        heap = [(float(self.finish[s : s + c].max()), s) for s in starts]
+        nb = len(starts)
+        loads = (
+            self.finish[: nb * c].reshape(nb, c).max(axis=1).tolist()
+            if c < self.world
+            else [self.finish.max()]
+        )
+        heap = list(zip(loads, starts))
         heapq.heapify(heap)
         added = dict.fromkeys(starts, 0.0)
-        for i in sorted(ids, key=lambda i: (-t[i], i)):
+        tid = t[ids]
+        order = np.lexsort((ids, -tid))  # time descending, then id: deterministic
+        for i, ti in zip(ids[order].tolist(), tid[order].tolist()):
             load, s = heapq.heappop(heap)
             self.blocks.setdefault((c, s), []).append(i)
-            added[s] += t[i]
-            heapq.heappush(heap, (load + t[i], s))
+            added[s] += ti
+            heapq.heappush(heap, (load + ti, s))
         for s, a in added.items():
             self.finish[s : s + c] += a
 
@@ -118,52 +125,114 @@ class _Placement:
         return float(self.finish.max())
 
 
-def _local_search(pl: _Placement, t: np.ndarray, iters: int) -> None:
-    """Step 4: move or swap clips between same-size blocks to unload the busiest rank."""
-    world = pl.world
-    used = sorted({c for c, _ in pl.blocks if c < world})
+def _place_all(n: int, k: np.ndarray, table: np.ndarray, world: int, sizes: tuple[int, ...]) -> _Placement:
+    """Step 3 for one size choice ``k``: biggest sizes first, LPT within each size."""
+    t = table[np.arange(n), k]
+    pl = _Placement(world, sizes)
+    for j in range(len(sizes) - 1, -1, -1):
+        ids = np.flatnonzero(k == j)
+        if ids.size:
+            pl.place(sizes[j], ids, t)
+    return pl
+
+
+def _local_search(pl: _Placement, table: np.ndarray, k: np.ndarray, iters: int) -> None:
+    """Step 4: unload the busiest rank by moving, swapping or resizing one clip at a time.
+
+    ``table[i, j]`` is clip i's time at size ``sizes[j]`` (inf where it does not fit) and ``k[i]`` its
+    current size index. Candidate steps for the clips of each block covering the busiest rank r:
+      move    same size, to the least-loaded other block;
+      swap    same size, trading for the clip in that block that best evens the pair;
+      resize  a size up to two steps smaller or larger, onto the least-loaded block of that size
+              (a clip grows to fill idle ranks, or shrinks to cut communication).
+    The step giving the lowest resulting maximum over the ranks it touches wins; it must be below
+    the current maximum, so each step strictly unloads r. Candidates are scored with numpy per block.
+    """
+    world, sizes = pl.world, pl.sizes
+    num_sizes = len(sizes)
+    nblocks = [1 if c == world else world // c for c in sizes]
     for _ in range(iters):
-        r = int(np.argmax(pl.finish))
-        top = pl.finish[r]
-        best = None  # (resulting pair max, c, src, dst, a, b)
-        for c in used:
-            src = (r // c) * c
-            if src + c > world or (c, src) not in pl.blocks:
+        f = pl.finish
+        r = int(np.argmax(f))
+        top = float(f[r])
+        if top <= f.mean() * (1 + 1e-3):  # already level: nothing left to gain
+            return
+        bar = top * (1 - 1e-9)
+        bmax = [f[: nb * c].reshape(nb, c).max(axis=1) for nb, c in zip(nblocks, sizes)]
+        best = None  # (result, action)
+        for j, c in enumerate(sizes):
+            src = 0 if c == world else (r // c) * c
+            ids = pl.blocks.get((c, src))
+            if not ids or src + c > world:
                 continue
-            nb = world // c
-            block_max = pl.finish[: nb * c].reshape(nb, c).max(axis=1)
-            block_max[src // c] = np.inf
-            dst = int(np.argmin(block_max)) * c
-            gap = top - block_max[dst // c]
-            if gap <= 1e-12 * max(top, 1e-30):
-                continue
-            src_ids = pl.blocks[(c, src)]
-            dst_ids = sorted(pl.blocks.get((c, dst), []), key=lambda i: (t[i], i))
-            dst_t = [t[i] for i in dst_ids]
-            for a in src_ids:
-                # Moving ``a`` and taking ``b`` back shifts delta = t_a - t_b from src to dst; the best
-                # delta is gap / 2, and any 0 < delta < gap lowers the busiest rank.
-                options = [(t[a], None)]
-                j = bisect_left(dst_t, t[a] - gap / 2)
-                for jj in (j - 1, j):
-                    if 0 <= jj < len(dst_ids):
-                        options.append((t[a] - dst_t[jj], dst_ids[jj]))
-                for delta, b in options:
-                    if 0 < delta < gap:
-                        pair = max(top - delta, top - gap + delta)
-                        key = (pair, c, src, a, -1 if b is None else b)
-                        if best is None or key < best[0]:
-                            best = (key, c, src, dst, a, b, delta)
+            ids_arr = np.asarray(ids)
+            ta = table[ids_arr, j]
+            if c < world and nblocks[j] > 1:
+                bm = bmax[j].copy()
+                bm[src // c] = np.inf
+                dst = int(np.argmin(bm)) * c
+                low = float(bm[dst // c])
+                gap = top - low
+                dst_ids = np.asarray(pl.blocks.get((c, dst), []), dtype=np.int64)
+                dst_t = table[dst_ids, j]
+                order = np.argsort(dst_t, kind="stable")
+                dst_ids, dst_t = dst_ids[order], dst_t[order]
+                # delta = t_a - t_b moves from src to dst (t_b = 0: a plain move); gap / 2 is ideal.
+                deltas = [ta]
+                partners = [np.full(ta.shape, -1)]
+                if dst_ids.size:
+                    pos = np.searchsorted(dst_t, ta - gap / 2)
+                    for p in (np.clip(pos - 1, 0, dst_ids.size - 1), np.clip(pos, 0, dst_ids.size - 1)):
+                        deltas.append(ta - dst_t[p])
+                        partners.append(dst_ids[p])
+                for delta, partner in zip(deltas, partners):
+                    res = np.where((delta > 0) & (delta < gap), np.maximum(top - delta, low + delta), np.inf)
+                    a = int(np.argmin(res))
+                    if res[a] < bar and (best is None or res[a] < best[0]):
+                        best = (
+                            float(res[a]),
+                            ("swap", ids[a], int(partner[a]), c, src, dst, float(delta[a])),
+                        )
+            for j2 in range(max(0, j - 2), min(num_sizes, j + 3)):
+                if j2 == j:
+                    continue
+                c2 = sizes[j2]
+                t2 = table[ids_arr, j2]
+                dst = int(np.argmin(bmax[j2])) * c2 if c2 < world else 0
+                dmax = float(bmax[j2][dst // c2 if c2 < world else 0])
+                if dst + c2 <= src or src + c <= dst:  # disjoint blocks
+                    res = np.maximum(top - ta, dmax + t2)
+                elif c2 > c:  # dst contains src
+                    g = f[dst : dst + c2].copy()
+                    g[src - dst : src - dst + c] = -np.inf
+                    res = np.maximum(top - ta + t2, float(g.max()) + t2)
+                else:  # dst inside src
+                    g = f[src : src + c].copy()
+                    g[dst - src : dst - src + c2] = -np.inf
+                    res = np.maximum(dmax - ta + t2, float(g.max()) - ta)
+                res = np.where(np.isfinite(t2), res, np.inf)
+                a = int(np.argmin(res))
+                if res[a] < bar and (best is None or res[a] < best[0]):
+                    best = (float(res[a]), ("resize", ids[a], c, src, c2, dst, float(ta[a]), float(t2[a])))
         if best is None:
             return
-        _, c, src, dst, a, b, delta = best
-        pl.blocks[(c, src)].remove(a)
-        pl.blocks.setdefault((c, dst), []).append(a)
-        if b is not None:
-            pl.blocks[(c, dst)].remove(b)
-            pl.blocks[(c, src)].append(b)
-        pl.finish[src : src + c] -= delta
-        pl.finish[dst : dst + c] += delta
+        act = best[1]
+        if act[0] == "swap":
+            _, a, b, c, src, dst, delta = act
+            pl.blocks[(c, src)].remove(a)
+            pl.blocks.setdefault((c, dst), []).append(a)
+            if b >= 0:
+                pl.blocks[(c, dst)].remove(b)
+                pl.blocks[(c, src)].append(b)
+            pl.finish[src : src + c] -= delta
+            pl.finish[dst : dst + c] += delta
+        else:
+            _, a, c, src, c2, dst, ta, t2 = act
+            pl.blocks[(c, src)].remove(a)
+            pl.blocks.setdefault((c2, dst), []).append(a)
+            k[a] = sizes.index(c2)
+            pl.finish[src : src + c] -= ta
+            pl.finish[dst : dst + c2] += t2
 
 
 def _pack(ids: list[int], L: np.ndarray, capacity: float) -> list[list[int]]:
@@ -182,6 +251,16 @@ def _pack(ids: list[int], L: np.ndarray, capacity: float) -> list[list[int]]:
     return bins
 
 
+def _emit(pl: _Placement, L: np.ndarray, cap_tokens: float) -> list:
+    """Step 5: pack each block's clips into micro-batches, biggest CP size first, then by block."""
+    micro_batches = []
+    for c, s in sorted(pl.blocks, key=lambda cs: (-cs[0], cs[1])):
+        if pl.blocks[(c, s)]:
+            ranks = tuple(range(s, s + c))
+            micro_batches.extend((ranks, ids) for ids in _pack(pl.blocks[(c, s)], L, cap_tokens * c))
+    return micro_batches
+
+
 def plan(
     lengths,
     world_size: int,
@@ -191,6 +270,8 @@ def plan(
     *,
     thetas: tuple[float, ...] = DEFAULT_THETAS,
     search_iters: int = 400,
+    num_refine: int = 2,
+    exact_work: int = 2000,
 ) -> Plan:
     """Plan one global batch. See the module docstring for the algorithm.
 
@@ -208,37 +289,56 @@ def plan(
     kmin = min_cp_index(L, cap_tokens, sizes)
     size_arr = np.asarray(sizes)
 
+    # Micro-batches fill up to the cap when there is enough work, and hold about a rank's even share
+    # of the batch when there is not: that is the pack size the per-clip times assume.
+    packed_tokens = min(float(cap_tokens), max(float(L.sum()) / world_size, 1.0))
     table = np.full((L.size, len(sizes)), np.inf)
     for k, c in enumerate(sizes):
         fits = kmin <= k
         if fits.any():
-            table[fits, k] = cost_model.sample_times(L[fits], c, cap_tokens)
+            table[fits, k] = cost_model.sample_times(L[fits], c, packed_tokens)
 
-    best = None
+    # Step 2 candidates: cost thresholds, and size floors (every clip at least size c_f; the floor at
+    # the largest minimum size is static CP's shape, so the search starts no worse than it).
+    candidates = [_choose_sizes(table, size_arr, world_size, th) for th in thetas]
+    # Floors up to a node's size are cheap to try: intra-node CP costs little and evens out tiny work.
+    top_floor = max(int(kmin.max()), sum(c <= cost_model.hw.gpus_per_node for c in sizes) - 1)
+    candidates += [np.maximum(kmin, f) for f in range(1, top_floor + 1)]
+    static_shape = np.full_like(kmin, kmin.max())
+    placed = []
     seen = set()
-    for theta in thetas:
-        k = _choose_sizes(table, size_arr, world_size, theta)
+    for k in candidates:
         key = k.tobytes()
         if key in seen:
             continue
         seen.add(key)
-        t = table[np.arange(L.size), k]
-        pl = _Placement(world_size, sizes)
-        for j in range(len(sizes) - 1, -1, -1):
-            ids = np.flatnonzero(k == j).tolist()
-            if ids:
-                pl.place(sizes[j], ids, t)
-        if best is None or pl.makespan() < best[0].makespan() - 1e-12:
-            best = (pl, t, theta)
-    pl, t, theta = best
-    _local_search(pl, t, search_iters)
-
-    micro_batches = []
-    for c, s in sorted(pl.blocks, key=lambda cs: (-cs[0], cs[1])):
-        ranks = tuple(range(s, s + c))
-        for ids in _pack(pl.blocks[(c, s)], L, cap_tokens * c):
-            micro_batches.append((ranks, ids))
-    out = Plan(micro_batches, world_size, cap_tokens, info={"theta": theta, "estimate_s": pl.makespan()})
-    out.predicted_step_s = simulate(out, L, cost_model).step_s
+        placed.append((_place_all(L.size, k, table, world_size, sizes), k))
+    placed.sort(key=lambda pk: pk[0].makespan())
+    refine = placed[:num_refine]
+    # Static CP's shape is refined too, and also kept as placed (LPT, no search), so the result is
+    # never worse than balanced static CP even where the additive estimate misleads the search.
+    refine += [pk for pk in placed[num_refine:] if np.array_equal(pk[1], static_shape)]
+    static_pl = _place_all(L.size, static_shape, table, world_size, sizes)
+    # Small batches: score every candidate exactly (cheap there, and where tiny micro-batches make
+    # the additive estimate least reliable).
+    unrefined = [static_pl] + (
+        [pk[0] for pk in placed[num_refine:]] if L.size * len(placed) <= exact_work else []
+    )
+    # Refine the most promising candidates, then pick by the exact simulated step: the additive
+    # estimate cannot see how a packed micro-batch hides ring traffic behind its longest clip.
+    best = None
+    for pl, k in refine:
+        _local_search(pl, table, k.copy(), search_iters)
+        micro_batches = _emit(pl, L, cap_tokens)
+        step = simulate(Plan(micro_batches, world_size, cap_tokens), L, cost_model, timeline=False).step_s
+        if best is None or step < best[0] * (1 - 1e-9):
+            best = (step, micro_batches, pl.makespan())
+    for pl in unrefined:
+        micro_batches = _emit(pl, L, cap_tokens)
+        step = simulate(Plan(micro_batches, world_size, cap_tokens), L, cost_model, timeline=False).step_s
+        if step < best[0] * (1 - 1e-9):
+            best = (step, micro_batches, pl.makespan())
+    step, micro_batches, estimate = best
+    out = Plan(micro_batches, world_size, cap_tokens, predicted_step_s=step, info={"estimate_s": estimate})
     out.solver_ms = (time.perf_counter() - t0) * 1e3
     return out

@@ -35,31 +35,42 @@ class Schedule:
 
 
 def spans_nodes(ranks, gpus_per_node: int) -> bool:
+    if ranks[-1] - ranks[0] + 1 == len(ranks):  # contiguous: first and last rank decide
+        return ranks[0] // gpus_per_node != ranks[-1] // gpus_per_node
     return len({r // gpus_per_node for r in ranks}) > 1
 
 
-def simulate(plan: Plan, lengths, cost_model: CostModel, barrier_s: float | None = None) -> Schedule:
+def simulate(
+    plan: Plan, lengths, cost_model: CostModel, barrier_s: float | None = None, timeline: bool = True
+) -> Schedule:
     """Critical-path replay of ``plan``. ``barrier_s`` is the cost of one barrier (default: one
-    inter-node collective latency)."""
+    inter-node collective latency). ``timeline=False`` skips the per-rank segments (faster)."""
     lengths = np.asarray(lengths)
     hw = cost_model.hw
     if barrier_s is None:
         barrier_s = hw.inter_node_latency_s if plan.world_size > hw.gpus_per_node else hw.intra_node_latency_s
-    free = np.zeros(plan.world_size)
+    free = [0.0] * plan.world_size  # plain lists: micro-batches are small, numpy calls cost more
     segments: list[list[tuple[float, float, int]]] = [[] for _ in range(plan.world_size)]
     barriers = set(plan.barriers_after)
-    times = []
-    for i, (ranks, ids) in enumerate(plan.micro_batches):
-        idx = list(ranks)
-        t = cost_model.micro_batch_time(lengths[list(ids)], len(idx), spans_nodes(idx, hw.gpus_per_node))
-        start = float(free[idx].max())
-        free[idx] = start + t
-        times.append(t)
-        for r in idx:
-            segments[r].append((start, start + t, i))
+    all_ids = [s for _, ids in plan.micro_batches for s in ids]
+    times = cost_model.flat_micro_batch_times(
+        lengths[all_ids] if all_ids else np.zeros(0),
+        [len(ids) for _, ids in plan.micro_batches],
+        [len(r) for r, _ in plan.micro_batches],
+        [spans_nodes(r, hw.gpus_per_node) for r, _ in plan.micro_batches],
+    ).tolist()
+    for i, (ranks, _) in enumerate(plan.micro_batches):
+        t = times[i]
+        start = max(free[r] for r in ranks)
+        end = start + t
+        for r in ranks:
+            free[r] = end
+        if timeline:
+            for r in ranks:
+                segments[r].append((start, end, i))
         if i in barriers:
-            free[:] = free.max() + barrier_s
-    return Schedule(float(free.max()) if len(free) else 0.0, segments, times)
+            free = [max(free) + barrier_s] * plan.world_size
+    return Schedule(max(free) if free else 0.0, segments, times)
 
 
 def best_single_time(
