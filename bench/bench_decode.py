@@ -28,21 +28,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import av  # noqa: E402
+import numpy as np  # noqa: E402
 
 from data.media import make_video  # noqa: E402
 from data.readers import probe, read_frames  # noqa: E402
 
 
-def pyav_frames(path: str, indices: list[int]) -> int:
-    wanted, last, got = set(indices), max(indices), 0
+def pyav_frames(path: str, indices: list[int]) -> np.ndarray:
+    """The plain loop: decode from frame 0, keep the wanted frames, stop after the last one."""
+    wanted, last, got = set(indices), max(indices), {}
     with av.open(path) as c:
         for i, frame in enumerate(c.decode(c.streams.video[0])):
             if i in wanted:
-                frame.to_ndarray(format="rgb24")
-                got += 1
+                got[i] = frame.to_ndarray(format="rgb24")
             if i >= last:
                 break
-    return got
+    return np.stack([got[i] for i in indices])  # (f, h, w, 3), as every reader here returns
 
 
 def timed(repeats: int, fn, *args) -> float:

@@ -40,7 +40,7 @@ class ClipPolicy:
     min_frames: int = 1
     """Clips with fewer frames available (after fps and snapping) are skipped as too short."""
     frame_rule: str = "auto"
-    """'4k+1' snaps frames to 1 + k*stride_t (causal VAEs); 'any' keeps them; 'auto' picks from vae_stride."""
+    """'4k+1' snaps frames to 1 + 4k; 'any' keeps them; 'auto': 1 + k*stride_t if vae_stride[0] > 1, else any."""
     resolution: int | None = None
     """Target area as a side length: h*w ~= resolution**2 with the source aspect ratio. None = source size."""
     max_tokens: int | None = None

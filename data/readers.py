@@ -151,7 +151,8 @@ def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
                 container.seek(max([k for k in keys if k <= pts[first]] or [pts[0]]), stream=stream)
                 frames = ((position.get(f.pts, -1), f) for f in container.decode(stream))
             else:
-                container.seek(0)
+                if index is not None:  # the packet index was read: rewind before decoding from the start
+                    container.seek(0)
                 frames = enumerate(container.decode(stream))
             for i, frame in frames:
                 if i in wanted:
