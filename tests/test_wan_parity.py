@@ -125,6 +125,29 @@ def test_packed_clips_match_diffusers_each_clip_alone(name):
     assert max(max_diffs(ours_packed(model, clips, padded, timesteps), refs)) <= TOL
 
 
+def test_gradients_match_diffusers():
+    """Fine-tuning trains the same function: parameter gradients equal diffusers' on one clip."""
+    name = "heads2-d16-p222-outc5-nocrossnorm"
+    wan = make_wan(name)
+    model = import_wan_state_dict(
+        wan.config, {k: v.clone() for k, v in wan.state_dict().items()}, text_pad_len=TEXT_LEN
+    )
+    clips, texts, timesteps = make_batch(name)
+    weight = torch.randn(clips[0].shape[0] + 2, *clips[0].shape[1:])  # out_channels = 5
+    packed = pack(clips[:1], model.patch_size)
+    out = model(packed.tokens, packed.positions, packed.seq_lens, timesteps[:1], texts[0], torch.tensor([len(texts[0])]),
+                PackedAttention(packed.seq_lens))  # fmt: skip
+    (unpack(packed, out, model.patch_size)[0] * weight).sum().backward()
+    padded = torch.cat([texts[0], texts[0].new_zeros(TEXT_LEN - len(texts[0]), TEXT_DIM)])
+    (wan(clips[0][None], timesteps[:1], padded[None]).sample[0] * weight).sum().backward()
+    ours = dict(model.named_parameters())
+    for key, p in wan.named_parameters():
+        grad = ours[key].grad
+        if key == "patch_embedding.weight":  # (D, pt*ph*pw*c) -> (D, c, pt, ph, pw)
+            grad = grad.reshape(grad.shape[0], *model.patch_size, -1).permute(0, 4, 1, 2, 3)
+        torch.testing.assert_close(grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_pad_text_layout_and_limit():
     text = torch.arange(10.0).view(5, 2)
     padded, lens = pad_text(text, torch.tensor([2, 0, 3]), 4)
