@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from dynamic_cp.baselines import static_plan
 from dynamic_cp.cost_model import CostModel
+from dynamic_cp.groups_layout import normalize_cp_sizes
 from dynamic_cp.megatron_baseline import megatron_plan
 from dynamic_cp.plan_types import Plan
-from dynamic_cp.planner import plan
+from dynamic_cp.planner import check_lengths, min_cp_index, plan
 from dynamic_cp.simulator import lower_bound, simulate
 
 METHODS = ("static", "static-balanced", "megatron", "dynamic-cp")
@@ -44,7 +45,11 @@ def run_method(method: str, lengths, world_size: int, cap: float, cm: CostModel)
 
 
 def compare(lengths, world_size: int, cap: float, cm: CostModel, methods=METHODS) -> tuple[float, list[Row]]:
-    """(lower bound, one Row per method). Every plan is re-simulated here, whoever made it."""
+    """(lower bound, one Row per method). Every plan is re-simulated here, whoever made it.
+
+    A clip that fits no CP size is the user's to fix, so that ValueError is raised, not tabulated.
+    """
+    min_cp_index(check_lengths(lengths), cap, normalize_cp_sizes(world_size))
     bound = lower_bound(lengths, cm, world_size, cap)
     rows = []
     for m in methods:
