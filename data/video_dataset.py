@@ -57,7 +57,9 @@ class VideoDataset(Dataset):
                 len(self.items),
                 name,
             )
-        log.info("%s", self.failures.summary())
+        # A warning when anything was dropped, so the summary shows even where logging is not configured.
+        noisy = self.failures.failed or self.failures.skipped
+        log.log(logging.WARNING if noisy else logging.INFO, "%s", self.failures.summary())
         self.failures.check()
         if not self.items:
             raise ValueError(
