@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -385,7 +386,7 @@ def _load_trained(path: Path, weights: str) -> VideoDiT:
     return load_pretrained(folder)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dit.wan_import", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="our checkpoint -> diffusers WanTransformer3DModel folder")
@@ -399,7 +400,15 @@ def main(argv: list[str] | None = None) -> None:
     imp.add_argument("--out", required=True, help="new folder for VideoDiT.save_pretrained")
     imp.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except ValueError as err:  # a user's mistake: the message says how to fix it, no traceback needed
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "export":
         model = _load_trained(Path(args.checkpoint), args.weights)
         dtype = DTYPES[args.dtype] if args.dtype else None
@@ -412,4 +421,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

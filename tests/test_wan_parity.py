@@ -201,20 +201,35 @@ def test_our_format_round_trip_keeps_config(tmp_path):
     assert loaded.config.text_pad_len == TEXT_LEN
 
 
-def test_cli_export_from_run_and_import(tmp_path):
+def test_cli_export_from_run_and_import(tmp_path, capsys):
     wan = make_wan("heads3-d12-p122")
     model = import_wan_state_dict(wan.config, wan.state_dict())
     step = tmp_path / "run" / "checkpoints" / "step_000010"
     model.save_pretrained(step / "ema")
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000010\n")
-    main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "wan"), "--dtype", "bf16"])
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(tmp_path / "run"),
+                "--out",
+                str(tmp_path / "wan"),
+                "--dtype",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     with safe_open(tmp_path / "wan" / "diffusion_pytorch_model.safetensors", framework="pt") as f:
         assert f.get_tensor("blocks.0.ffn.net.0.proj.weight").dtype == torch.bfloat16
         assert f.get_tensor("blocks.0.scale_shift_table").dtype == torch.float32  # kept, as diffusers does
     exported = WanTransformer3DModel.from_pretrained(tmp_path / "wan", torch_dtype=torch.bfloat16)
     assert exported.blocks[0].ffn.net[0].proj.weight.dtype == torch.bfloat16
-    main(["import", "--wan", str(tmp_path / "wan"), "--out", str(tmp_path / "ours")])
+    assert main(["import", "--wan", str(tmp_path / "wan"), "--out", str(tmp_path / "ours")]) == 0
     assert VideoDiT.from_pretrained(tmp_path / "ours").config.text_pad_len == 512
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "wan")]) == 2
+    assert "not empty" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- errors
