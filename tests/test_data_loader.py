@@ -97,3 +97,15 @@ def test_latent_cache_reads_in_workers(tmp_path):
     assert [s["index"] for s in samples] == list(range(5))
     for s in samples:
         torch.testing.assert_close(s["latent"], clips[s["index"]]["video"])
+
+
+def test_breaking_out_and_iterating_again_continues_where_it_stopped():
+    ds = build_dataset("data.examples.plugin:RandomLatents", plugin_args={"num_clips": 10})
+    ref = [s["index"] for b in build_dataloader(ds, 3, num_workers=2, seed=5) for s in b]
+    loader = build_dataloader(ds, 3, num_workers=2, seed=5)
+    got = []
+    for batch in loader:  # a trainer that stops for validation, then carries on with the same loader
+        got += [s["index"] for s in batch]
+        break
+    got += [s["index"] for batch in loader for s in batch]
+    assert got == ref and loader.state_dict()["epoch"] == 1
