@@ -16,9 +16,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from data.readers import VideoInfo
+from data.readers import IMAGE_EXTS, VideoInfo
 
 VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
+MEDIA_EXTS = VIDEO_EXTS + IMAGE_EXTS
 COLUMNS = ("path", "text", "num_frames", "height", "width", "fps")
 
 
@@ -83,13 +84,13 @@ def read_manifest(path: str | os.PathLike) -> list[Row]:
 
 
 def list_folder(folder: str | os.PathLike) -> list[Row]:
-    """Every video under ``folder`` (recursive, sorted); the caption is the sidecar ``<name>.txt``."""
+    """Every video and image under ``folder`` (recursive, sorted); the caption is the sidecar ``<name>.txt``."""
     folder = str(folder)
     rows = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
         for name in sorted(filenames):
-            if os.path.splitext(name)[1].lower() not in VIDEO_EXTS:
+            if os.path.splitext(name)[1].lower() not in MEDIA_EXTS:
                 continue
             p = os.path.join(dirpath, name)
             rows.append(Row(os.path.abspath(p), _sidecar_caption(p)))

@@ -23,6 +23,7 @@ except Exception:  # pragma: no cover - depends on the platform
 import av
 
 BACKENDS = ("auto", "decord", "pyav")
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")  # a still image is a one-frame clip
 
 
 class VideoReadError(RuntimeError):
@@ -167,6 +168,34 @@ def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
     return np.stack([got[i] for i in indices])
 
 
+# ---------------------------------------------------------------- still images
+
+
+def _is_image(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in IMAGE_EXTS
+
+
+def _read_image(path: str) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))  # (h, w, 3) uint8
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise VideoReadError(path, "not_an_image_or_corrupt", str(e)[:200]) from e
+
+
+def _probe_image(path: str) -> VideoInfo:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            w, h = im.size  # header only
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise VideoReadError(path, "not_an_image_or_corrupt", str(e)[:200]) from e
+    return VideoInfo(1, h, w, 1.0)  # any positive rate: one frame is one frame at every fps
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -175,6 +204,8 @@ def probe(path: str | os.PathLike, backend: str = "auto") -> VideoInfo:
     path = str(path)
     _check_file(path)
     backend = _backend(backend)
+    if _is_image(path):
+        return _probe_image(path)
     try:
         info = _probe_decord(path) if backend == "decord" else _probe_pyav(path)
     except VideoReadError:
@@ -196,6 +227,10 @@ def read_frames(path: str | os.PathLike, indices: list[int], backend: str = "aut
         raise ValueError("read_frames needs at least one frame index")
     _check_file(path)
     backend = _backend(backend)
+    if _is_image(path):
+        if max(indices) > 0:
+            raise VideoReadError(path, "too_few_frames", f"needs frame {max(indices)} of a still image")
+        return np.stack([_read_image(path)] * len(indices))
     if backend == "decord":
         try:
             return _read_decord(path, indices)

@@ -110,3 +110,22 @@ def test_unknown_option_and_bad_source_are_value_errors(folder, tmp_path):
         build_dataset(str(tmp_path / "no_such_folder"))
     with pytest.raises(ValueError, match="no usable clips"):
         build_dataset(folder, min_frames=200, progress=False)
+
+
+def test_images_are_one_frame_clips(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.random.default_rng(0).integers(0, 255, (40, 72, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(tmp_path / "still.png")
+    (tmp_path / "still.txt").write_text("a still image")
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    ds = build_dataset(str(tmp_path), resolution=32, max_failure_share=0.5, progress=False)
+    assert len(ds) == 1 and ds.failures.failed == {str(tmp_path / "broken.jpg"): "not_an_image_or_corrupt"}
+    m, s = ds.meta(0), ds[0]
+    assert (
+        m.num_frames == 1
+        and s["video"].shape == (3, 1, m.height, m.width)
+        and s["caption"] == "a still image"
+    )
+    assert num_tokens(m.num_frames, m.height, m.width) == (m.height // 16) * (m.width // 16)
