@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from bisect import bisect_left, insort
 
 import numpy as np
 
@@ -236,18 +237,20 @@ def _local_search(pl: _Placement, table: np.ndarray, k: np.ndarray, iters: int) 
 
 
 def _pack(ids: list[int], L: np.ndarray, capacity: float) -> list[list[int]]:
-    """First-fit decreasing by tokens into bins of ``capacity`` tokens."""
+    """Best-fit decreasing by tokens into bins of ``capacity`` tokens: O(m log m) with a sorted list
+    of (room left, bin) pairs; ties go to the lowest bin, so the result is deterministic."""
     bins: list[list[int]] = []
-    room: list[float] = []
+    rooms: list[tuple[float, int]] = []  # sorted ascending
     for i in sorted(ids, key=lambda i: (-int(L[i]), i)):
-        for b, free in enumerate(room):
-            if L[i] <= free:
-                bins[b].append(i)
-                room[b] -= L[i]
-                break
+        need = float(L[i])
+        j = bisect_left(rooms, (need, -1))
+        if j < len(rooms):
+            room, b = rooms.pop(j)
+            bins[b].append(i)
+            insort(rooms, (room - need, b))
         else:
             bins.append([i])
-            room.append(capacity - L[i])
+            insort(rooms, (capacity - need, len(bins) - 1))
     return bins
 
 
@@ -269,7 +272,7 @@ def plan(
     cp_sizes=None,
     *,
     thetas: tuple[float, ...] = DEFAULT_THETAS,
-    search_iters: int = 400,
+    search_iters: int = 200,
     num_refine: int = 2,
     exact_work: int = 2000,
 ) -> Plan:
