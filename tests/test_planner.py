@@ -43,7 +43,7 @@ def test_invariants(case):
     assert plan(lengths, world, cap, CM, cp_sizes=sizes).micro_batches == p.micro_batches
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(cases())
 def test_never_worse_than_balanced_static(case):
     lengths, world, cap, sizes = case
