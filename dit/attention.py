@@ -71,7 +71,7 @@ def varlen_attention(
         outs.append(o[0].transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape)
-    return torch.cat(outs, dim=0)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # one clip: skip the copy
 
 
 class PackedAttention:

@@ -50,7 +50,7 @@ def vae_stride(cfg: DataConfig) -> tuple[int, int, int]:
     return (1, 1, 1) if cfg.vae == "identity" else (4, 8, 8)
 
 
-def build_datasets(cfg: DataConfig):
+def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):
     """-> train dataset, its training indices, validation dataset, its indices.
 
     Synthetic data draws held-out clips from another seed; a real dataset holds out its last
@@ -65,7 +65,10 @@ def build_datasets(cfg: DataConfig):
         return train, list(range(len(train))), val, list(range(len(val)))
     from data.build import build_dataset
 
-    dataset = build_dataset(cfg.source, **cfg.options)
+    # The clip policy snaps shapes to multiples of VAE stride x patch; user options win.
+    dataset = build_dataset(
+        cfg.source, **{"vae_stride": vae_stride(cfg), "patch": tuple(patch), **cfg.options}
+    )
     if len(dataset) <= cfg.num_val_clips:
         raise ValueError(
             f"data.source {cfg.source} has {len(dataset)} usable clips, not more than data.num_val_clips="

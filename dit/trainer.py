@@ -45,7 +45,9 @@ class Trainer:
             build_text_encoder(cfg.data, self.model.config.text_dim),
             self.device,
         )
-        self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(cfg.data)
+        self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
+            cfg.data, self.patch
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.train.lr,
@@ -115,6 +117,11 @@ class Trainer:
 
     def prepare(self, samples: list[dict], step: int) -> list[TrainClip]:
         c = self.cfg
+        failures = getattr(self.train_set, "failures", None)
+        for s in samples:  # broken files met inside DataLoader workers are counted in this process
+            records = s.pop("failures", None)
+            if records and failures is not None:
+                failures.merge(records)
         return [
             prepare_clip(s, self.encoder, self.patch, c.flow, c.data.caption_dropout, c.train.seed, step)
             for s in samples
@@ -232,3 +239,5 @@ class Trainer:
             if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                 self.save()
         bar.close()
+        if getattr(self.train_set, "failures", None) is not None:
+            print(self.train_set.failures.summary())
