@@ -91,7 +91,11 @@ class Hardware:
         return cls(**kw)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(asdict(self), sort_keys=False)
+        plain = {
+            k: v if isinstance(v, str) else (int(v) if k == "gpus_per_node" else float(v))
+            for k, v in asdict(self).items()
+        }
+        return yaml.safe_dump(plain, sort_keys=False)
 
 
 def builtin_profiles() -> list[str]:

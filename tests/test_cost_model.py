@@ -104,3 +104,26 @@ def test_token_cap():
     assert big.token_cap(shard_world=64) > 0
     with pytest.raises(ValueError, match="memory_fraction"):
         CM.token_cap(memory_fraction=0)
+
+
+def test_fit_saturating_recovers_curve():
+    from dynamic_cp.calibrate import fit_saturating
+
+    n = np.array([64, 256, 1024, 4096, 16384])
+    best, half = fit_saturating(n, 5e12 * n / (n + 700))
+    assert best == pytest.approx(5e12, rel=1e-6) and half == pytest.approx(700, rel=1e-6)
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path):
+    from dynamic_cp.calibrate import main
+
+    out = tmp_path / "cpu.yaml"
+    assert (
+        main(["--out", str(out), "--quick", "--d", "64", "--heads", "2", "--layers", "2", "--device", "cpu"])
+        == 0
+    )
+    hw = Hardware.load(str(out))
+    assert hw.peak_flops > 0 and 0 < hw.gemm_efficiency <= 1 and hw.micro_batch_overhead_s > 0
+    cm = CostModel.from_dims(64, 2, 256, 2, hardware=str(out))
+    assert cm.micro_batch_time([512], 1) > 0
+    assert main(["--out", str(out), "--d", "65", "--heads", "2"]) == 2
