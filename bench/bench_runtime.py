@@ -1,0 +1,317 @@
+"""Dynamic-CP against static CP 2 in the real training runtime: 2 gloo ranks, a mixed-length batch.
+
+    python bench/bench_runtime.py                        # calibrate the cost model here, then compare
+    python bench/bench_runtime.py --profile cpu.yaml     # use a profile from `python -m dynamic_cp.calibrate`
+
+Both modes train the tiny VideoDiT (configs/tiny.yaml) through ``DistributedTrainer``: lengths are
+gathered, planned, clips routed, micro-batches run with their group's CP attention, one gradient
+all-reduce, AdamW. Every global batch holds the same clips (a fixed 16-clip dataset reshuffled each
+step): 2 long clips of 17 frames at 32x32 (1,088 tokens, more than the 600-token per-rank cap, so
+they need CP 2) and 14 short ones (1 to 5 frames, 64 to 320 tokens). Steps of the two modes alternate
+in one run, so both see the same machine load; the ratio is of median step times.
+
+Calibration (without --profile): both ranks time forward+backward of packed micro-batches at CP 1
+(side by side, as in a step) and at CP 2 (Ulysses over gloo), and a least-squares fit gives the cost
+model's per-micro-batch overhead, GEMM and attention FLOP/s and the all-to-all latency and
+bandwidth. The cost model is linear in those five numbers, so the fit evaluates it on unit
+"basis" profiles to get each one's coefficient: the predictions are the planner's own formulas.
+
+Predicted = the simulator's critical path of the executed plan under the calibrated profile;
+measured = the step's compute window (first micro-batch to last, slowest rank) from the runtime's
+timeline. A benchmark, not a test: nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from scipy.optimize import nnls
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from data.synthetic import SyntheticClips, render  # noqa: E402
+from data.types import ClipMeta  # noqa: E402
+from dit.clips import TrainClip, micro_batch_loss  # noqa: E402
+from dit.config import load_config  # noqa: E402
+from dit.packing import grid_positions  # noqa: E402
+from dynamic_cp.cost_model import CostModel, Hardware  # noqa: E402
+from dynamic_cp.cp_attention import make_cp_attention  # noqa: E402
+from dynamic_cp.runtime import DistributedTrainer  # noqa: E402
+from dynamic_cp.step_plans import build_cost_model  # noqa: E402
+from dynamic_cp.testing import run_gloo  # noqa: E402
+
+WORLD = 2
+CAP = 600
+# (frames, height, width) of the 16 clips of every global batch; tokens = frames * h/4 * w/4.
+SHAPES = [(13, 32, 32)] * 2 + [(1, 32, 32)] * 12 + [(3, 32, 32)] * 10 + [(5, 32, 32)] * 8
+# Calibration micro-batches (clip lengths) and CP sizes.
+CALIBRATION = [
+    ([64], 1),
+    ([64] * 8, 1),
+    ([192, 320, 64, 64], 1),
+    ([320, 320], 1),
+    ([640], 1),
+    ([1088], 1),
+    ([1088], 2),
+    ([1088, 64, 64], 2),
+    ([640, 320], 2),
+    ([64] * 6, 2),
+]
+
+
+def overrides(out: str, mode: str, hardware: str) -> list[str]:
+    items = {
+        "output_dir": out,
+        "data.num_val_clips": 1,
+        "train.global_batch_size": len(SHAPES),
+        "train.micro_batch_tokens": CAP,
+        "train.warmup_steps": 1,
+        "parallel.mode": mode,
+        "parallel.static_cp_size": 2,
+        "parallel.cp_method": "ulysses",
+        "parallel.cap_tokens": CAP,
+        "parallel.hardware": hardware,
+    }
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+class MixedClips(SyntheticClips):
+    """Synthetic clips with fixed shapes: clip i has SHAPES[i]."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(len(SHAPES), seed=seed)
+
+    def spec(self, index: int):
+        f, h, w = SHAPES[index]
+        return dataclasses.replace(super().spec(index), num_frames=f, height=h, width=w)
+
+    def meta(self, index: int) -> ClipMeta:
+        f, h, w = SHAPES[index]
+        return ClipMeta(f, h, w)
+
+    def __getitem__(self, index: int) -> dict:
+        s = self.spec(index)
+        return {"video": render(s), "caption": s.caption, "index": index}
+
+
+# ------------------------------------------------------------------------------ calibration
+
+
+def _clips(lengths: list[int], text_dim: int, gen: torch.Generator) -> list[TrainClip]:
+    """Random clips of 32x32 frames (64 tokens per frame), 12 text tokens each."""
+    out = []
+    for i, n in enumerate(lengths):
+        grid = (n // 64, 8, 8)
+        x0 = torch.randn(n, 48, generator=gen)
+        out.append(
+            TrainClip(i, x0, torch.randn_like(x0), 0.5, grid_positions(grid), torch.randn(12, text_dim))
+        )
+    return out
+
+
+def _measure(model, world, heads: int, repeats: int = 5) -> list[float]:
+    """Median fwd+bwd seconds (slowest rank) of every CALIBRATION micro-batch."""
+    gen = torch.Generator().manual_seed(0)
+    text_dim = model.config.text_dim
+    out = []
+    for lengths, c in CALIBRATION:
+        clips = _clips(lengths, text_dim, gen)
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier(group=world)
+            t0 = time.perf_counter()
+            attention, shard = make_cp_attention(world if c > 1 else None, lengths, "ulysses", heads)
+            token_range = (shard.start, shard.end) if c > 1 else None
+            micro_batch_loss(model, clips, attention, len(lengths), token_range).backward()
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world)
+            if i:
+                times.append(float(elapsed))
+        model.zero_grad(set_to_none=True)
+        out.append(statistics.median(times))
+    return out
+
+
+BIG = 1e30
+
+
+def _basis(cm: CostModel, **hw) -> CostModel:
+    base = dict(
+        name="basis",
+        peak_flops=BIG,
+        gemm_efficiency=1.0,
+        gemm_half_tokens=0.0,
+        attention_efficiency=1.0,
+        attention_half_tokens=0.0,
+        intra_node_bandwidth=BIG,
+        inter_node_bandwidth=BIG,
+        intra_node_latency_s=0.0,
+        inter_node_latency_s=0.0,
+        gpus_per_node=WORLD,
+        micro_batch_overhead_s=0.0,
+        memory_bytes=64e9,
+    )
+    return CostModel(cm.dims, Hardware(**{**base, **hw}), cm.comm)
+
+
+def _features(cm: CostModel, lengths: list[int], c: int) -> np.ndarray:
+    """Coefficients of (overhead, 1/gemm FLOP/s, 1/attention FLOP/s, latency, 1/bandwidth)."""
+
+    def t(**hw):
+        return _basis(cm, **hw).micro_batch_time(lengths, c)
+
+    both = t(peak_flops=1.0)  # gemm + attention at 1 FLOP/s
+    gemm = t(peak_flops=1.0, gemm_efficiency=0.5) - both  # doubling gemm time isolates it
+    return np.array(
+        [
+            t(micro_batch_overhead_s=1.0),
+            gemm,
+            both - gemm,
+            t(intra_node_latency_s=1.0),
+            t(intra_node_bandwidth=1.0),
+        ]
+    )
+
+
+def fit_profile(cm: CostModel, seconds: list[float]) -> Hardware:
+    A = np.stack([_features(cm, lengths, c) for lengths, c in CALIBRATION])
+    scale = A.max(axis=0)
+    x, _ = nnls(A / scale, np.asarray(seconds))
+    overhead, inv_gemm, inv_attn, latency, inv_bw = (float(v) for v in x / scale)
+    gemm, attn = 1 / max(inv_gemm, 1e-30), 1 / max(inv_attn, 1e-30)
+    peak = max(gemm, attn)
+    return Hardware(
+        name="cpu-gloo-fitted",
+        peak_flops=peak,
+        gemm_efficiency=gemm / peak,
+        gemm_half_tokens=0.0,
+        attention_efficiency=attn / peak,
+        attention_half_tokens=0.0,
+        intra_node_bandwidth=1 / max(inv_bw, 1e-30),
+        inter_node_bandwidth=1 / max(inv_bw, 1e-30),
+        intra_node_latency_s=latency,
+        inter_node_latency_s=latency,
+        gpus_per_node=WORLD,
+        micro_batch_overhead_s=overhead,
+        memory_bytes=64e9,
+    )
+
+
+# ------------------------------------------------------------------------------ the comparison
+
+
+def worker(rank: int, world_size: int, root: str, profile: str | None, steps: int) -> dict:
+    world = dist.group.WORLD
+    result: dict = {}
+    if profile is None:
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides(f"{root}/cal", "dynamic", "h100"))
+        trainer = DistributedTrainer(cfg, world)
+        cm = build_cost_model(cfg, trainer.model.config)
+        seconds = _measure(trainer.model, world, trainer.model.config.num_attention_heads)
+        hw = fit_profile(cm, seconds)  # same inputs on every rank -> same profile
+        profile = f"{root}/cpu_fitted.yaml"
+        if rank == 0:
+            Path(profile).write_text(hw.to_yaml())
+            fitted = CostModel(cm.dims, hw, cm.comm)
+            result["calibration"] = [
+                (lengths, c, s, fitted.micro_batch_time(lengths, c))
+                for (lengths, c), s in zip(CALIBRATION, seconds)
+            ]
+            result["profile"] = dataclasses.asdict(hw)
+        dist.barrier(group=world)
+
+    trainers, iters = {}, {}
+    for mode in ("dynamic", "static"):
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides(f"{root}/{mode}", mode, profile))
+        t = DistributedTrainer(cfg, world)
+        t.train_set, t.train_indices = MixedClips(), list(range(len(SHAPES)))
+        trainers[mode], iters[mode] = t, t.data_iterator()
+    records: dict[str, list[dict]] = {"dynamic": [], "static": []}
+    for step in range(steps + 1):  # step 0 warms up both
+        for mode in ("dynamic", "static"):
+            dist.barrier(group=world)
+            t0 = time.perf_counter()
+            batch = next(iters[mode])
+            metrics = trainers[mode].train_step(batch)
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world)
+            if step:
+                records[mode].append({**metrics, "step_s": float(elapsed), "lengths": batch.lengths})
+    for it in iters.values():
+        it.close()
+    result["records"] = records
+    return result
+
+
+def summarize(mode: str, recs: list[dict]) -> dict:
+    med = {k: statistics.median(r[k] for r in recs) for k in ("step_s", "compute_s", "predicted_s")}
+    err = [100 * (r["predicted_s"] - r["compute_s"]) / r["compute_s"] for r in recs]
+    idle = np.mean([r["idle_share"] for r in recs], axis=0)
+    return {
+        "mode": mode,
+        **med,
+        "prediction_error_pct": statistics.median(err),
+        "cp_hist": recs[0]["cp_hist"],
+        "num_micro_batches": recs[0]["num_micro_batches"],
+        "idle_share": [round(float(x), 3) for x in idle],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (after one warm-up)")
+    parser.add_argument("--profile", default=None, help="hardware profile YAML; default: calibrate here")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        res = run_gloo(worker, WORLD, root, args.profile, args.steps, timeout_s=600)[0]
+    lengths = res["records"]["dynamic"][0]["lengths"]
+    print(
+        f"global batch: {len(lengths)} clips, tokens {sorted(lengths, reverse=True)}, cap {CAP}/rank, 2 gloo ranks"
+    )
+    if "calibration" in res:
+        print("\ncalibration (fwd+bwd of one micro-batch, slowest rank): measured vs fitted cost model")
+        for lengths_, c, s, p in res["calibration"]:
+            print(
+                f"  CP {c}  {str(lengths_):28s} {s * 1e3:8.1f} ms  model {p * 1e3:8.1f} ms  ({100 * (p - s) / s:+.0f}%)"
+            )
+        hw = res["profile"]
+        print(
+            f"  fitted: overhead {hw['micro_batch_overhead_s'] * 1e3:.2f} ms/micro-batch, "
+            f"GEMM {hw['peak_flops'] * hw['gemm_efficiency'] / 1e9:.2f} GFLOP/s, "
+            f"attention {hw['peak_flops'] * hw['attention_efficiency'] / 1e9:.2f} GFLOP/s, "
+            f"all-to-all {hw['intra_node_latency_s'] * 1e3:.3f} ms + {hw['intra_node_bandwidth'] / 1e9:.2f} GB/s"
+        )
+    rows = [summarize(m, res["records"][m]) for m in ("dynamic", "static")]
+    print(
+        f"\n{'mode':8s} {'step s':>8s} {'compute s':>10s} {'predicted s':>12s} {'pred err':>9s}  micro-batches  CP sizes   idle share per rank"
+    )
+    for r in rows:
+        print(
+            f"{r['mode']:8s} {r['step_s']:8.3f} {r['compute_s']:10.3f} {r['predicted_s']:12.3f} "
+            f"{r['prediction_error_pct']:+8.1f}%  {r['num_micro_batches']:13d}  {json.dumps(r['cp_hist']):10s} {r['idle_share']}"
+        )
+    ratio = rows[1]["step_s"] / rows[0]["step_s"]
+    print(f"\nspeed-up of Dynamic-CP over static CP 2 (median step time, same run): {ratio:.2f}x")
+    print(
+        f"predicted speed-up (simulator, calibrated profile): {rows[1]['predicted_s'] / rows[0]['predicted_s']:.2f}x"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "ratio": ratio, **res}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
