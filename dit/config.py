@@ -160,6 +160,11 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     base = origin or annotation
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if base is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if base in (list, tuple) and isinstance(value, (list, tuple)):
         return list(value)
     if base in (int, float, str, bool, dict, list) and not isinstance(value, base):

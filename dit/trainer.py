@@ -45,6 +45,15 @@ class Trainer:
             build_text_encoder(cfg.data, self.model.config.text_dim),
             self.device,
         )
+        channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
+        if (
+            self.model.config.in_channels != channels
+            or (self.model.config.out_channels or channels) != channels
+        ):
+            raise ValueError(
+                f"the model takes {self.model.config.in_channels} channels but data.vae={cfg.data.vae!r} gives "
+                f"{channels}; set model.overrides.in_channels={channels} (and out_channels) or change data.vae"
+            )
         self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
             cfg.data, self.patch
         )

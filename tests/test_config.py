@@ -49,3 +49,7 @@ def test_bad_values_name_the_field(override, message):
 def test_missing_config_file():
     with pytest.raises(ValueError, match="does not exist"):
         load_config("configs/nope.yaml")
+
+
+def test_float_in_exponent_notation_without_dot():
+    assert load_config(CONFIGS[0], ["train.lr=1e-5"]).train.lr == 1e-5
