@@ -199,22 +199,36 @@ def _local_search(pl: _Placement, table: np.ndarray, k: np.ndarray, iters: int) 
                     continue
                 c2 = sizes[j2]
                 t2 = table[ids_arr, j2]
-                dst = int(np.argmin(bmax[j2])) * c2 if c2 < world else 0
-                dmax = float(bmax[j2][dst // c2 if c2 < world else 0])
-                if dst + c2 <= src or src + c <= dst:  # disjoint blocks
-                    res = np.maximum(top - ta, dmax + t2)
-                elif c2 > c:  # dst contains src
-                    g = f[dst : dst + c2].copy()
-                    g[src - dst : src - dst + c] = -np.inf
-                    res = np.maximum(top - ta + t2, float(g.max()) + t2)
-                else:  # dst inside src
-                    g = f[src : src + c].copy()
-                    g[dst - src : dst - src + c2] = -np.inf
-                    res = np.maximum(dmax - ta + t2, float(g.max()) - ta)
-                res = np.where(np.isfinite(t2), res, np.inf)
-                a = int(np.argmin(res))
-                if res[a] < bar and (best is None or res[a] < best[0]):
-                    best = (float(res[a]), ("resize", ids[a], c, src, c2, dst, float(ta[a]), float(t2[a])))
+                if not np.isfinite(t2).any():
+                    continue
+                # Destinations: the least-loaded block of that size, and the block nested with src
+                # (the one containing it when growing, its least-loaded sub-block when shrinking).
+                dsts = {int(np.argmin(bmax[j2])) * c2 if c2 < world else 0}
+                if c2 > c:
+                    dsts.add(0 if c2 == world else (src // c2) * c2)
+                elif c % c2 == 0:
+                    dsts.add(src + int(np.argmin(f[src : src + c].reshape(c // c2, c2).max(axis=1))) * c2)
+                for dst in dsts:
+                    if dst + c2 > world:
+                        continue
+                    dmax = float(f[dst : dst + c2].max())
+                    if dst + c2 <= src or src + c <= dst:  # disjoint blocks
+                        res = np.maximum(top - ta, dmax + t2)
+                    elif c2 > c:  # dst contains src
+                        g = f[dst : dst + c2].copy()
+                        g[src - dst : src - dst + c] = -np.inf
+                        res = np.maximum(top - ta + t2, float(g.max()) + t2)
+                    else:  # dst inside src
+                        g = f[src : src + c].copy()
+                        g[dst - src : dst - src + c2] = -np.inf
+                        res = np.maximum(dmax - ta + t2, float(g.max()) - ta)
+                    res = np.where(np.isfinite(t2), res, np.inf)
+                    a = int(np.argmin(res))
+                    if res[a] < bar and (best is None or res[a] < best[0]):
+                        best = (
+                            float(res[a]),
+                            ("resize", ids[a], c, src, c2, dst, float(ta[a]), float(t2[a])),
+                        )
         if best is None:
             return
         act = best[1]
