@@ -106,7 +106,7 @@ def gantt(schedule: Schedule, plan: Plan, lengths, path: str, title: str = "") -
     sizes = sorted({len(r) for r, _ in plan.micro_batches})
     cmap = plt.get_cmap("viridis", max(len(sizes), 2))
     color = {c: cmap(i) for i, c in enumerate(sizes)}
-    fig, ax = plt.subplots(figsize=(12, max(3.0, 0.22 * world + 1.5)))
+    fig, ax = plt.subplots(figsize=(12, max(3.0, min(0.22 * world, 12.0) + 1.5)))
     for r, segs in enumerate(schedule.rank_segments):
         bars = [(s, e - s) for s, e, _ in segs]
         cols = [color[len(plan.micro_batches[i][0])] for _, _, i in segs]
