@@ -137,3 +137,14 @@ def test_groups_are_laminar_blocks():
         for b in groups:
             assert set(a) <= set(b) or set(b) <= set(a) or not set(a) & set(b)
     assert np.all(np.diff(default_cp_sizes(64)) > 0)
+
+
+def test_groups_for_a_subset_of_sizes_and_per_rank_count():
+    from dynamic_cp.groups_layout import groups_of_rank
+
+    assert allowed_groups(8, [2, 8]) == [(0, 1), (2, 3), (4, 5), (6, 7), tuple(range(8))]
+    for rank in (0, 5, 63):
+        mine = groups_of_rank(rank, 64)
+        assert len(mine) == 7 and all(rank in g for g in mine)  # log2(64) + 1 groups per rank
+    p = plan([5_000] * 6 + [60_000], 8, 20_000, CM, cp_sizes=[2, 8])
+    assert {len(r) for r, _ in p.micro_batches} <= {2, 8}
