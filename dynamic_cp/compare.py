@@ -80,8 +80,9 @@ def format_rows(bound: float, rows: list[Row]) -> str:
             lines.append(f"{r.method:<16} failed: {r.error}")
             continue
         sizes = " ".join(f"{c}:{n}" for c, n in r.cp_sizes.items())
+        speedup = "-" if r.speedup != r.speedup else f"{r.speedup:.2f}x"  # NaN when static was not run
         lines.append(
-            f"{r.method:<16} {r.step_s:>9.3f} {r.speedup:>8.2f}x {r.efficiency:>10.3f} "
+            f"{r.method:<16} {r.step_s:>9.3f} {speedup:>9} {r.efficiency:>10.3f} "
             f"{r.solver_ms:>9.1f} {r.num_micro_batches:>7}  {sizes}"
         )
     return "\n".join(lines)
