@@ -65,6 +65,7 @@ CALIBRATION = [
     ([256], 1),
     ([256, 64], 1),
     ([576], 1),
+    ([832], 1),
     ([1088], 1),
     ([64] * 4, 2),
     ([128] * 4, 2),
@@ -191,10 +192,20 @@ def _features(cm: CostModel, lengths: list[int], c: int) -> np.ndarray:
 
 
 def fit_profile(cm: CostModel, seconds: list[float]) -> Hardware:
+    """Two stages, so that communication cannot soak up compute error: compute terms from the CP-1
+    shapes (no communication), then latency and bandwidth from what CP 2 adds on top."""
     A = np.stack([_features(cm, lengths, c) for lengths, c in CALIBRATION])
-    scale = A.max(axis=0)
-    x, _ = nnls(A / scale, np.asarray(seconds))
-    overhead, inv_gemm, inv_attn, latency, inv_bw = (float(v) for v in x / scale)
+    y = np.asarray(seconds)
+    cp1 = np.array([c == 1 for _, c in CALIBRATION])
+
+    def nonneg_fit(A, y):
+        scale = A.max(axis=0)
+        x, _ = nnls(A / scale, y)
+        return x / scale
+
+    compute = nonneg_fit(A[cp1, :3], y[cp1])
+    comm = nonneg_fit(A[~cp1, 3:], y[~cp1] - A[~cp1, :3] @ compute)
+    overhead, inv_gemm, inv_attn, latency, inv_bw = (float(v) for v in (*compute, *comm))
     gemm, attn = 1 / max(inv_gemm, 1e-30), 1 / max(inv_attn, 1e-30)
     peak = max(gemm, attn)
     return Hardware(
