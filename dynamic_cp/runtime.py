@@ -208,6 +208,9 @@ class DistributedTrainer(Trainer):
         finally:
             bar.close()
             batches.close()
+        failures = getattr(self.train_set, "failures", None)
+        if failures is not None:  # each rank read (and counted broken files of) its own share only
+            print(f"rank {self.rank}: {failures.summary()}")
 
 
 def train_distributed(
