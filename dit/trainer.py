@@ -33,6 +33,8 @@ def keep_list(samples: list) -> list:
 
 
 class Trainer:
+    rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
+
     def __init__(self, cfg: Config, resume: str | None = None, device: torch.device | None = None):
         self.cfg = cfg
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -212,6 +214,11 @@ class Trainer:
         )
         return iter(loader)
 
+    def run_step(self, samples: list[dict]) -> tuple[dict, list[int]]:
+        """One optimizer step on a global batch from ``data_iterator``: (metrics, clip token counts)."""
+        clips = self.prepare(samples, self.step)
+        return self.train_step(clips), [c.num_tokens for c in clips]
+
     def train(self) -> None:
         t = self.cfg.train
         dims = self.model.config
@@ -219,34 +226,39 @@ class Trainer:
         if self.step == 0:
             self.log({"step": 0, "val_loss": self.validation_loss()})
         batches = self.data_iterator()
-        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
-        while self.step < t.max_steps:
-            started = time.perf_counter()
-            clips = self.prepare(next(batches), self.step)
-            metrics = self.train_step(clips)
-            seconds = time.perf_counter() - started
-            self.step += 1
-            tokens = [c.num_tokens for c in clips]
-            flops = train_step_flops(tokens, dim, dims.ffn_dim, dims.num_layers)
-            record = {
-                "step": self.step,
-                **metrics,
-                "lr": self.lr_schedule.get_last_lr()[0],
-                "tokens": sum(tokens),
-                "tokens_per_s": sum(tokens) / seconds,
-                "tflops": flops / seconds / 1e12,
-                "step_s": seconds,
-            }
-            if t.peak_tflops:
-                record["mfu"] = record["tflops"] / t.peak_tflops
-            if self.step % t.val_every == 0 or self.step == t.max_steps:
-                record["val_loss"] = self.validation_loss()
-            if self.step % t.log_every == 0 or "val_loss" in record:
-                self.log(record)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
-                self.save()
-        bar.close()
-        if getattr(self.train_set, "failures", None) is not None:
-            print(self.train_set.failures.summary())
+        bar = tqdm(
+            total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True, disable=not self.is_main
+        )
+        try:
+            while self.step < t.max_steps:
+                started = time.perf_counter()
+                metrics, lengths = self.run_step(next(batches))
+                seconds = time.perf_counter() - started
+                self.step += 1
+                flops = train_step_flops(lengths, dim, dims.ffn_dim, dims.num_layers)
+                record = {
+                    "step": self.step,
+                    **metrics,
+                    "lr": self.lr_schedule.get_last_lr()[0],
+                    "tokens": sum(lengths),
+                    "tokens_per_s": sum(lengths) / seconds,
+                    "tflops": flops / seconds / 1e12,
+                    "step_s": seconds,
+                }
+                if t.peak_tflops:
+                    record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
+                if self.step % t.val_every == 0 or self.step == t.max_steps:
+                    record["val_loss"] = self.validation_loss()
+                if self.step % t.log_every == 0 or "val_loss" in record:
+                    self.log(record)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                    self.save()
+        finally:
+            bar.close()
+            if hasattr(batches, "close"):
+                batches.close()
+        failures = getattr(self.train_set, "failures", None)
+        if failures is not None:  # under CP each rank counts the broken files of its own share
+            print(f"rank {self.rank}: {failures.summary()}" if self.world_size > 1 else failures.summary())

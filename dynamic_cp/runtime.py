@@ -25,11 +25,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from dit.clips import micro_batch_loss
 from dit.config import Config
-from dit.flops import train_step_flops
 from dit.setup import clip_tokens, vae_stride
 from dit.trainer import Trainer
 from dynamic_cp.cp_attention import make_cp_attention
@@ -166,51 +164,8 @@ class DistributedTrainer(Trainer):
         # step's first collective).
         return super().validation_loss() if self.is_main else float("nan")
 
-    def train(self) -> None:
-        t = self.cfg.train
-        dims = self.model.config
-        dim = dims.num_attention_heads * dims.attention_head_dim
-        if self.step == 0:
-            self.log({"step": 0, "val_loss": self.validation_loss()})
-        batches = self.data_iterator()
-        bar = tqdm(
-            total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True, disable=not self.is_main
-        )
-        try:
-            while self.step < t.max_steps:
-                started = time.perf_counter()
-                batch = next(batches)
-                metrics = self.train_step(batch)
-                seconds = time.perf_counter() - started
-                self.step += 1
-                tokens = sum(batch.lengths)
-                flops = train_step_flops(batch.lengths, dim, dims.ffn_dim, dims.num_layers)
-                record = {
-                    "step": self.step,
-                    **metrics,
-                    "lr": self.lr_schedule.get_last_lr()[0],
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / seconds,
-                    "tflops": flops / seconds / 1e12,
-                    "step_s": seconds,
-                    "world_size": self.world_size,
-                }
-                if t.peak_tflops:
-                    record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
-                if self.step % t.val_every == 0 or self.step == t.max_steps:
-                    record["val_loss"] = self.validation_loss()
-                if self.step % t.log_every == 0 or "val_loss" in record:
-                    self.log(record)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", mbs=metrics["num_micro_batches"])
-                bar.update(1)
-                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
-                    self.save()
-        finally:
-            bar.close()
-            batches.close()
-        failures = getattr(self.train_set, "failures", None)
-        if failures is not None:  # each rank read (and counted broken files of) its own share only
-            print(f"rank {self.rank}: {failures.summary()}")
+    def run_step(self, batch: StepBatch) -> tuple[dict, list[int]]:
+        return {**self.train_step(batch), "world_size": self.world_size}, list(batch.lengths)
 
 
 def train_distributed(
