@@ -30,13 +30,18 @@ def main(argv: list[str] | None = None) -> int:
         "--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights"
     )
     parser.add_argument("--frames", type=int, default=9)
-    parser.add_argument("--height", type=int, default=32)
-    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--height", type=int, default=16)
+    parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="Euler steps")
     parser.add_argument(
         "--guidance", type=float, default=4.0, help="classifier-free guidance scale; 1 disables"
     )
-    parser.add_argument("--shift", type=float, default=None, help="sigma shift; default: by token count")
+    parser.add_argument(
+        "--shift",
+        type=float,
+        default=None,
+        help="sigma shift; default: the run's flow.shift, else by token count",
+    )
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=int, default=8)
@@ -83,7 +88,8 @@ def run(args) -> int:
     vae = build_vae(cfg.data, device)
     videos = generate(
         model, text_encoder, vae, prompts, args.frames, args.height, args.width,
-        steps=args.steps, guidance=args.guidance, shift=args.shift, seed=args.seed,
+        steps=args.steps, guidance=args.guidance, seed=args.seed,
+        shift=args.shift if args.shift is not None else cfg.flow.shift,
         negative_prompt=args.negative_prompt,
     )  # fmt: skip
     out = Path(args.out) if args.out else step_dir.parent.parent / "samples"

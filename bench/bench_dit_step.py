@@ -35,7 +35,9 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
@@ -63,7 +65,9 @@ def main() -> None:
         F.mse_loss(out, packed.tokens).backward()
 
     def wan_step(batch):
-        out = wan(batch, torch.full((batch.shape[0],), 500.0), torch.randn(batch.shape[0], text_len, 64)).sample
+        out = wan(
+            batch, torch.full((batch.shape[0],), 500.0), torch.randn(batch.shape[0], text_len, 64)
+        ).sample
         F.mse_loss(out, batch).backward()
 
     print(f"models: dim={args.dim} heads={args.heads} layers={args.layers} ffn={4 * args.dim}, fp32 CPU, "
@@ -77,13 +81,17 @@ def main() -> None:
         our_times += timed(lambda: our_step([clip]), 1)
         wan_times += timed(lambda: wan_step(clip[None]), 1)
     a, b = statistics.median(our_times), statistics.median(wan_times)
-    print(f"single clip (1296 tokens): ours {a * 1e3:.0f} ms, diffusers Wan {b * 1e3:.0f} ms, speedup {b / a:.2f}x")
+    print(
+        f"single clip (1296 tokens): ours {a * 1e3:.0f} ms, diffusers Wan {b * 1e3:.0f} ms, speedup {b / a:.2f}x"
+    )
 
     # 2. mixed sizes: packed against padded to the largest clip
     shapes = [(9, 24, 24), (1, 16, 16), (5, 16, 24), (1, 24, 16), (3, 8, 8), (9, 16, 16)]
     clips = [torch.randn(16, *s) for s in shapes]
     big = [max(s[i] for s in shapes) for i in range(3)]
-    padded = torch.stack([F.pad(c, (0, big[2] - c.shape[3], 0, big[1] - c.shape[2], 0, big[0] - c.shape[1])) for c in clips])
+    padded = torch.stack(
+        [F.pad(c, (0, big[2] - c.shape[3], 0, big[1] - c.shape[2], 0, big[0] - c.shape[1])) for c in clips]
+    )
     tokens = sum(f * (h // 2) * (w // 2) for f, h, w in shapes)
     pad_tokens = len(shapes) * big[0] * (big[1] // 2) * (big[2] // 2)
     our_times, wan_times = [], []

@@ -79,6 +79,7 @@ CALIBRATION = [
 def overrides(out: str, mode: str, hardware: str) -> list[str]:
     items = {
         "output_dir": out,
+        "model.overrides": "{patch_size: [1, 4, 4]}",  # the token counts of SHAPES and CALIBRATION
         "data.num_val_clips": 1,
         "train.global_batch_size": len(SHAPES),
         "train.micro_batch_tokens": CAP,

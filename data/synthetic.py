@@ -93,7 +93,7 @@ class SyntheticClips(Dataset):
         self,
         num_clips: int = 2048,
         frame_counts: tuple[int, ...] = (1, 5, 9),
-        resolutions: tuple[tuple[int, int], ...] = ((32, 32), (24, 40), (40, 24)),
+        resolutions: tuple[tuple[int, int], ...] = ((16, 16), (16, 24), (24, 16)),
         max_shapes: int = 2,
         seed: int = 0,
     ):
@@ -116,7 +116,7 @@ class SyntheticClips(Dataset):
         height, width = rng.choice(self.resolutions)
         shapes = []
         for _ in range(rng.randint(1, self.max_shapes)):
-            radius = rng.uniform(0.12, 0.22) * min(height, width)
+            radius = rng.uniform(0.18, 0.28) * min(height, width)
             shapes.append(
                 Shape(
                     kind=rng.choice(SHAPES),
@@ -125,7 +125,7 @@ class SyntheticClips(Dataset):
                     radius=radius,
                     x=rng.uniform(0, width),
                     y=rng.uniform(0, height),
-                    speed=rng.uniform(1.0, 2.5),
+                    speed=rng.uniform(0.6, 1.5),
                 )
             )
         return ClipSpec(

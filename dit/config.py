@@ -35,9 +35,9 @@ class DataConfig:
     source: str = "synthetic"  # 'synthetic', a video folder, a .csv/.jsonl manifest, a latent cache, or pkg.module:Class
     num_clips: int = 2048  # synthetic only: clips in the dataset
     frame_counts: list = field(default_factory=lambda: [1, 5, 9])  # synthetic only: frame counts to draw from
-    resolutions: list = field(
-        default_factory=lambda: [[32, 32], [24, 40], [40, 24]]
-    )  # synthetic: (h, w) choices
+    # synthetic only: (height, width) choices
+    resolutions: list = field(default_factory=lambda: [[16, 16], [16, 24], [24, 16]])
+    max_shapes: int = 2  # synthetic only: most moving shapes in one clip
     options: dict = field(default_factory=dict)  # clip-policy options for real sources (see docs/data.md)
     vae: str = "identity"  # 'identity' (pixel space), 'wan', 'hunyuan' or 'cogvideox'
     vae_path: str | None = None  # local directory of the VAE weights

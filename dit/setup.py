@@ -59,7 +59,11 @@ def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):
     if cfg.source == "synthetic":
         from data.synthetic import SyntheticClips
 
-        kw = dict(frame_counts=tuple(cfg.frame_counts), resolutions=tuple(tuple(r) for r in cfg.resolutions))
+        kw = dict(
+            frame_counts=tuple(cfg.frame_counts),
+            resolutions=tuple(tuple(r) for r in cfg.resolutions),
+            max_shapes=cfg.max_shapes,
+        )
         train = SyntheticClips(cfg.num_clips, seed=cfg.seed, **kw)
         val = SyntheticClips(cfg.num_val_clips, seed=cfg.seed + 10_000, **kw)
         return train, list(range(len(train))), val, list(range(len(val)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 MODEL_SIZES: dict[str, dict] = {
     # Pixel-space model that trains on 2 CPU cores in minutes (configs/tiny.yaml).
     "tiny": dict(
-        patch_size=(1, 4, 4),
+        patch_size=(1, 2, 2),
         num_attention_heads=4,
         attention_head_dim=32,
         in_channels=3,

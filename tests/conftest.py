@@ -15,7 +15,7 @@ def tiny_overrides(tmp_path, **extra) -> list[str]:
         "data.num_clips": 64,
         "data.num_val_clips": 2,
         "data.frame_counts": "[1, 3]",
-        "data.resolutions": "[[16, 16], [16, 24]]",
+        "data.resolutions": "[[8, 8], [8, 12]]",
         "train.global_batch_size": 4,
         "train.micro_batch_tokens": 64,
         "train.log_every": 1,

@@ -37,7 +37,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 def overrides(out: str, **extra) -> list[str]:
     items = {
         "output_dir": out,
-        "model.overrides": "{num_layers: 2}",
+        "model.overrides": "{num_layers: 2, patch_size: [1, 4, 4]}",  # token counts the cases below assume
         "data.num_clips": 64,
         "data.num_val_clips": 1,
         "data.frame_counts": "[1, 5]",

@@ -125,8 +125,8 @@ def test_cli_errors_are_one_line_with_the_fix(args, message):
 
 
 def test_sample_rejects_sizes_not_divisible_by_patch(trained):
-    result = _cli("sample.py", "--checkpoint", str(trained), "--prompt", "x", "--height", "18")
-    assert result.returncode == 2 and "height=18 is not divisible by the patch size 4" in result.stderr
+    result = _cli("sample.py", "--checkpoint", str(trained), "--prompt", "x", "--height", "17")
+    assert result.returncode == 2 and "height=17 is not divisible by the patch size 2" in result.stderr
 
 
 def test_global_batches_are_a_pure_function_of_step():
