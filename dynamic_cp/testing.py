@@ -60,3 +60,12 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> 
             with open(os.path.join(store_dir, f"result{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def run_gloo_cases(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[str, list]:
+    """Run ``fn`` (returning {case: result}) on every rank; -> {case: [result of rank 0, 1, ...]}."""
+    merged: dict[str, list] = {}
+    for per_rank in run_gloo(fn, world_size, *args, timeout_s=timeout_s):
+        for key, value in per_rank.items():
+            merged.setdefault(key, []).append(value)
+    return merged

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dit.attention import PackedAttention
 from dynamic_cp.cp_attention import choose_method, make_cp_attention
 from dynamic_cp.sharding import gather_shards
-from dynamic_cp.testing import run_gloo
+from dynamic_cp.testing import run_gloo_cases
 
 WORLD = 4
 GROUPS = {"g01": [0, 1], "g23": [2, 3], "g123": [1, 2, 3], "g0123": [0, 1, 2, 3]}
@@ -95,11 +95,7 @@ def worker(rank: int, world_size: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, list]:
-    merged: dict[str, list] = {}
-    for per_rank in run_gloo(worker, WORLD):
-        for key, value in per_rank.items():
-            merged.setdefault(key, []).append(value)
-    return merged
+    return run_gloo_cases(worker, WORLD)
 
 
 def _check(results, key, num_ranks):

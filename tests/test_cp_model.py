@@ -17,7 +17,7 @@ from dit.attention import PackedAttention, cu_seqlens_from_lengths
 from dit.model import DiTBlock, RotaryEmbedding3D, VideoDiT
 from dit.packing import pack
 from dynamic_cp.cp_attention import make_cp_attention
-from dynamic_cp.testing import run_gloo
+from dynamic_cp.testing import run_gloo_cases
 
 WORLD = 3
 GROUPS = {"g12": [1, 2], "g012": [0, 1, 2]}
@@ -154,11 +154,7 @@ def worker(rank: int, world_size: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, list]:
-    merged: dict[str, list] = {}
-    for per_rank in run_gloo(worker, WORLD):
-        for key, value in per_rank.items():
-            merged.setdefault(key, []).append(value)
-    return merged
+    return run_gloo_cases(worker, WORLD)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
