@@ -17,7 +17,7 @@ import torch
 from dit.attention import AttentionFn
 from dit.config import FlowConfig
 from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
-from dit.packing import grid_positions, patchify
+from dit.packing import grid_positions, local_seq_lens, patchify
 
 
 def clip_generator(seed: int, step: int, index: int) -> torch.Generator:
@@ -103,10 +103,7 @@ def micro_batch_loss(
     local_lens = seq_lens
     if token_range is not None:
         start, end = token_range
-        offsets = torch.cumsum(seq_lens, 0) - seq_lens
-        local_lens = (
-            torch.minimum(offsets + seq_lens, torch.tensor(end)) - torch.clamp(offsets, min=start)
-        ).clamp(min=0)
+        local_lens = local_seq_lens(seq_lens, start, end)
         x0, noise, positions = x0[start:end], noise[start:end], positions[start:end]
     x_t = add_noise(x0, noise, sigmas.repeat_interleave(local_lens).to(x0.device))
     text = torch.cat([c.text for c in clips])

@@ -87,3 +87,16 @@ def pack(clips: list[torch.Tensor], patch: tuple[int, int, int]) -> PackedClips:
 def unpack(packed: PackedClips, tokens: torch.Tensor, patch: tuple[int, int, int]) -> list[torch.Tensor]:
     """(n, p) tokens laid out like ``packed`` -> list of (c, f_i, h_i, w_i) clips."""
     return [unpatchify(t, g, patch) for t, g in zip(packed.split(tokens), packed.grids)]
+
+
+def local_seq_lens(seq_lens: torch.Tensor | list[int], start: int, end: int) -> torch.Tensor:
+    """(b,) tokens of each clip that fall inside the global token range [start, end); zeros allowed.
+
+    A context-parallel shard, or any slice of a packed sequence, holds this much of each clip.
+    """
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.long)
+    clip_end = torch.cumsum(seq_lens, 0)
+    clip_start = clip_end - seq_lens
+    return (
+        torch.minimum(clip_end, torch.tensor(end)) - torch.maximum(clip_start, torch.tensor(start))
+    ).clamp(min=0)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dit.packing import local_seq_lens
+
 
 def shard_bounds(num_tokens: int, num_shards: int) -> list[int]:
     """(c+1,) global token offsets of c contiguous shards whose sizes differ by at most one."""
@@ -30,16 +32,6 @@ def shard_bounds(num_tokens: int, num_shards: int) -> list[int]:
     for r in range(num_shards):
         bounds.append(bounds[-1] + base + (1 if r < extra else 0))
     return bounds
-
-
-def local_seq_lens(seq_lens: torch.Tensor | list[int], start: int, end: int) -> torch.Tensor:
-    """(b,) tokens of each clip that fall inside the global token range [start, end); zeros allowed."""
-    seq_lens = torch.as_tensor(seq_lens, dtype=torch.long)
-    clip_end = torch.cumsum(seq_lens, 0)
-    clip_start = clip_end - seq_lens
-    return (
-        torch.minimum(clip_end, torch.tensor(end)) - torch.maximum(clip_start, torch.tensor(start))
-    ).clamp(min=0)
 
 
 @dataclass(frozen=True)
