@@ -9,6 +9,7 @@ context parallelism (see README).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="config overrides such as train.max_steps=200")
     args = parser.parse_args(argv)
+    if args.resume and "=" in args.resume and not os.path.exists(args.resume):
+        # `--resume train.max_steps=2000`: argparse took the override as the optional path
+        args.overrides.insert(0, args.resume)
+        args.resume = "auto"
 
     from dit.config import load_config
 

@@ -26,6 +26,7 @@ from data.tokens import latent_shape
 FORMAT = "dcp-latent-cache"
 VERSION = 1
 INDEX = "index.json"
+EMPTY_TEXT = "empty_text.safetensors"  # the text encoder's output for ""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,6 +96,11 @@ def build_cache(
         if len(pending) == shard_size:
             flush()
     flush()
+    # Caption dropout on cached samples needs what the encoder gives for "" (an EOS token for T5),
+    # which is also what sampling uses as the unconditional input.
+    empty = {"text_emb": text_encoder.encode([""])[0].to(DTYPES[dtype]).contiguous()}
+    save_file(empty, os.path.join(out, EMPTY_TEXT + ".tmp"))
+    os.replace(os.path.join(out, EMPTY_TEXT + ".tmp"), os.path.join(out, EMPTY_TEXT))
     index = {
         "format": FORMAT,
         "version": VERSION,

@@ -13,7 +13,7 @@ import os
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
-from data.cache import FORMAT, INDEX
+from data.cache import EMPTY_TEXT, FORMAT, INDEX
 from data.failures import FailureLog
 from data.types import ClipMeta
 
@@ -38,6 +38,11 @@ class LatentCacheDataset(Dataset):
         self.vae_stride = tuple(self.index["vae"]["stride"])
         self.latent_channels = self.index["latent_channels"]
         self.text_dim = self.index["text_dim"]
+        empty = os.path.join(root, EMPTY_TEXT)
+        # (l, d) embedding of the empty caption; None for caches written before it was stored
+        self.empty_text_emb = (
+            safe_open(empty, framework="pt").get_tensor("text_emb").float() if os.path.isfile(empty) else None
+        )
         self.failures = FailureLog(total=len(self.samples), max_failure_share=max_failure_share)
         self._handles: dict[str, object] = {}
         self._pid = os.getpid()

@@ -81,3 +81,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_trainer_state(step_dir: Path) -> dict:
     return torch.load(step_dir / "trainer.pt", map_location="cpu", weights_only=False)
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load a ``save_pretrained`` directory's safetensors (one file or shards) into ``model`` in place,
+    without building a second model."""
+    from safetensors.torch import load_file
+
+    single = directory / "diffusion_pytorch_model.safetensors"
+    index = directory / "diffusion_pytorch_model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        import json
+
+        files = [
+            directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
+    else:
+        raise ValueError(f"{directory} holds no safetensors weights; the checkpoint is incomplete")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    model.load_state_dict(state)

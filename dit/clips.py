@@ -10,6 +10,7 @@ Legend: n = tokens, p = patch values, l = text tokens, d = text width.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +42,27 @@ class TrainClip:
 
 
 class ClipEncoder:
-    """Turns pixel samples (video + caption) or cached samples (latent + text_emb) into latents and text."""
+    """Turns pixel samples (video + caption) or cached samples (latent + text_emb) into latents and text.
 
-    def __init__(self, vae, text_encoder, device: torch.device):
-        self.vae = vae  # None = pixel space
-        self.text_encoder = text_encoder
+    The VAE and text encoder are built on first use: a run on a latent cache never loads them.
+    """
+
+    def __init__(
+        self, build_vae, build_text_encoder, device: torch.device, empty_text: torch.Tensor | None = None
+    ):
+        self._build_vae, self._build_text_encoder = build_vae, build_text_encoder
         self.device = device
+        # what the text encoder gives for "" (cached samples use it when their caption is dropped,
+        # so training's unconditional input is sampling's); None = no text rows
+        self.empty_text = empty_text
+
+    @functools.cached_property
+    def vae(self):
+        return self._build_vae()  # None = pixel space
+
+    @functools.cached_property
+    def text_encoder(self):
+        return self._build_text_encoder()
 
     @torch.no_grad()
     def encode(self, sample: dict, drop_caption: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +70,9 @@ class ClipEncoder:
         if "latent" in sample:
             latent = sample["latent"].to(self.device, torch.float32)
             text = sample["text_emb"].to(self.device, torch.float32)
-            return latent, text[:0] if drop_caption else text
+            if drop_caption:
+                text = text[:0] if self.empty_text is None else self.empty_text.to(self.device, torch.float32)
+            return latent, text
         video = sample["video"].to(self.device, torch.float32)
         latent = video if self.vae is None else self.vae.encode(video[None])[0].float()
         caption = "" if drop_caption else sample["caption"]

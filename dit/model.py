@@ -59,7 +59,8 @@ def per_token(per_clip: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """(b, ...) -> (n, ...): repeat each clip's row for each of its tokens on this process."""
     if per_clip.shape[0] == 1:  # one clip: broadcasting avoids materializing n copies
         return per_clip[0]
-    return per_clip.repeat_interleave(seq_lens.to(per_clip.device), dim=0)
+    # output_size spares CUDA a device-to-host sync to learn the result's length
+    return per_clip.repeat_interleave(seq_lens.to(per_clip.device), dim=0, output_size=int(seq_lens.sum()))
 
 
 class RotaryEmbedding3D(nn.Module):
@@ -174,6 +175,7 @@ class DiTBlock(nn.Module):
         modulation: torch.Tensor,  # (b, 6, D) from the shared time projection
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin (n, 1, d)
         seq_lens: torch.Tensor,  # (b,) local tokens per clip
+        cu_seqlens: torch.Tensor,  # (b+1,) offsets of seq_lens, for cross-attention
         text_cu_seqlens: torch.Tensor,  # (b+1,)
         attention: AttentionFn,
     ) -> torch.Tensor:
@@ -190,9 +192,7 @@ class DiTBlock(nn.Module):
         # 2. cross-attention: each token attends to its own clip's text, which every rank holds
         h = self.norm2(x.float()).type_as(x)
         q, k, v = self.attn2.project(h, text)
-        x = x + self.attn2.output(
-            varlen_attention(q, k, v, cu_seqlens_from_lengths(seq_lens), text_cu_seqlens)
-        )
+        x = x + self.attn2.output(varlen_attention(q, k, v, cu_seqlens, text_cu_seqlens))
 
         # 3. feed-forward
         h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
@@ -289,11 +289,12 @@ class VideoDiT(ModelMixin, ConfigMixin):
             text, text_lens = pad_text(text, text_lens, self.config.text_pad_len)  # (b*L, text_dim)
         context = ce.text_embedder(text.to(tokens.dtype))  # (l, D)
         text_cu_seqlens = cu_seqlens_from_lengths(text_lens)
+        cu_seqlens = cu_seqlens_from_lengths(seq_lens)
         rope = self.rope(positions)
 
         x = self.patch_embedding(tokens)  # (n, D)
         for block in self.blocks:
-            args = (x, context, modulation, rope, seq_lens, text_cu_seqlens, attention)
+            args = (x, context, modulation, rope, seq_lens, cu_seqlens, text_cu_seqlens, attention)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, *args, use_reentrant=False)
             else:

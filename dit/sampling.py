@@ -41,6 +41,11 @@ def generate(
     stride = (1, 1, 1) if vae is None else vae.stride
     channels = model.config.in_channels
     f, h, w = latent_shape(num_frames, height, width, stride)
+    if stride[0] > 1 and (num_frames - 1) % stride[0]:
+        raise ValueError(
+            f"frames={num_frames}: a causal video VAE with temporal stride {stride[0]} needs 1 + "
+            f"{stride[0]}k frames, e.g. {1 + (num_frames - 1) // stride[0] * stride[0]}"
+        )
     if (h * stride[1], w * stride[2]) != (height, width):
         raise ValueError(
             f"height and width must be multiples of the VAE stride {stride[1:]}, got {height}x{width}"

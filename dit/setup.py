@@ -11,6 +11,11 @@ from dit.sizes import model_kwargs
 
 
 def build_model(cfg: ModelConfig) -> VideoDiT:
+    if cfg.pretrained and cfg.overrides:
+        raise ValueError(
+            f"model.overrides {sorted(cfg.overrides)} cannot change a pretrained model ({cfg.pretrained}); "
+            "drop the overrides, or train from scratch without model.pretrained"
+        )
     if cfg.pretrained:
         from dit.wan_import import load_pretrained
 
@@ -32,7 +37,8 @@ def build_text_encoder(cfg: DataConfig, text_dim: int, device: torch.device | st
     if encoder.dim != text_dim:
         raise ValueError(
             f"text encoder {cfg.text_encoder_path} gives {encoder.dim}-wide embeddings but the model expects "
-            f"text_dim={text_dim}; set model.overrides.text_dim={encoder.dim}"
+            f"text_dim={text_dim}; use the encoder the model was trained with, or (from scratch) set "
+            f"model.overrides.text_dim={encoder.dim}"
         )
     return encoder
 
@@ -47,6 +53,10 @@ def build_vae(cfg: DataConfig, device: torch.device | str = "cpu"):
 
 
 def vae_stride(cfg: DataConfig) -> tuple[int, int, int]:
+    """The VAE's (t, h, w) stride: the user's data.options.vae_stride, else pixel space or 4x8x8 (the
+    stride of every supported video VAE: Wan, HunyuanVideo, CogVideoX)."""
+    if "vae_stride" in cfg.options:
+        return tuple(cfg.options["vae_stride"])
     return (1, 1, 1) if cfg.vae == "identity" else (4, 8, 8)
 
 

@@ -18,7 +18,13 @@ from tqdm import tqdm
 
 from dit.attention import PackedAttention
 from dit.batching import GlobalBatchSampler, pack_by_token_budget
-from dit.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint, set_rng_state
+from dit.checkpoint import (
+    load_trainer_state,
+    load_weights,
+    resolve_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
 from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
 from dit.config import Config, to_dict
 from dit.ema import EMA
@@ -42,23 +48,27 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model: VideoDiT = build_model(cfg.model).to(self.device)
         self.patch = tuple(self.model.config.patch_size)
-        self.encoder = ClipEncoder(
-            build_vae(cfg.data, self.device),
-            build_text_encoder(cfg.data, self.model.config.text_dim),
-            self.device,
+        self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
+            cfg.data, self.patch
         )
-        channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
+        self.encoder = ClipEncoder(
+            lambda: build_vae(cfg.data, self.device),
+            lambda: build_text_encoder(cfg.data, self.model.config.text_dim, self.device),
+            self.device,
+            empty_text=getattr(self.train_set, "empty_text_emb", None),
+        )
+        # a latent cache says its channels; otherwise the VAE (built here, as training will need it) does
+        channels = getattr(self.train_set, "latent_channels", None)
+        if channels is None:
+            channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
         if (
             self.model.config.in_channels != channels
             or (self.model.config.out_channels or channels) != channels
         ):
             raise ValueError(
-                f"the model takes {self.model.config.in_channels} channels but data.vae={cfg.data.vae!r} gives "
-                f"{channels}; set model.overrides.in_channels={channels} (and out_channels) or change data.vae"
+                f"the model takes {self.model.config.in_channels} channels but the data gives {channels} "
+                f"(data.vae={cfg.data.vae!r}); change data.vae or use a model with {channels} channels"
             )
-        self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
-            cfg.data, self.patch
-        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.train.lr,
@@ -72,6 +82,7 @@ class Trainer:
         self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.step = 0
         self.bad_steps = 0
+        self._val_clips: list[list[TrainClip]] | None = None
         if resume is not None:
             self._resume(resume)
 
@@ -80,9 +91,11 @@ class Trainer:
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
         state = load_trainer_state(step_dir)
-        self.model.load_state_dict(VideoDiT.from_pretrained(step_dir / "model").state_dict())
-        if self.ema is not None and (step_dir / "ema").is_dir():
-            self.ema.model.load_state_dict(VideoDiT.from_pretrained(step_dir / "ema").state_dict())
+        load_weights(self.model, step_dir / "model")
+        if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
+            load_weights(
+                self.ema.model, step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.step = state["step"]
@@ -178,14 +191,19 @@ class Trainer:
     def validation_loss(self) -> float:
         """Mean loss of the held-out clips at fixed sigmas and fixed noise: comparable across steps."""
         self.model.eval()
-        samples = [self.val_set[i] for i in self.val_indices]
+        if self._val_clips is None:  # fixed inputs: encode once, reuse at every evaluation
+            samples = [self.val_set[i] for i in self.val_indices]
+            self._val_clips = []
+            for k, sigma in enumerate(self.cfg.flow.val_sigmas):
+                clips = [
+                    prepare_clip(s, self.encoder, self.patch, self.cfg.flow, 0.0, seed=10_000 + k, step=0)
+                    for s in samples
+                ]
+                for clip in clips:
+                    clip.sigma = float(sigma)  # fixed, unshifted: the same question at every evaluation
+                self._val_clips.append(clips)
         losses = []
-        for k, sigma in enumerate(self.cfg.flow.val_sigmas):
-            clips = []
-            for s in samples:
-                clip = prepare_clip(s, self.encoder, self.patch, self.cfg.flow, 0.0, seed=10_000 + k, step=0)
-                clip.sigma = float(sigma)  # fixed, unshifted: the same question at every evaluation
-                clips.append(clip)
+        for clips in self._val_clips:
             for group in pack_by_token_budget(
                 [c.num_tokens for c in clips], self.cfg.train.micro_batch_tokens
             ):

@@ -84,6 +84,7 @@ def _run(what, module, batch, extra, shard, seq_lens, attention):
             modulation,
             tuple(shard(r) for r in rope),
             seq_lens,
+            cu_seqlens_from_lengths(seq_lens),
             cu_seqlens_from_lengths(batch["text_lens"]),
             attention,
         )

@@ -110,6 +110,8 @@ def test_cache_round_trip_keeps_token_counts(media, tmp_path, vae_kind, text_kin
         emb = text.encode([pixels[i]["caption"]])[0]
         torch.testing.assert_close(s["text_emb"], emb)
         assert s["text_emb"].shape[1] == text.dim == 16
+    # caption dropout on cached samples uses what the encoder gives for "", as sampling does
+    torch.testing.assert_close(ds.empty_text_emb, text.encode([""])[0])
     back = vae.decode(ds[0]["latent"][None])
     assert back.shape == (1, 3, *vars(ds.meta(0)).values()) and back.abs().max() <= 1
 

@@ -42,7 +42,8 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(trained, tmp_path):
     over = tiny_overrides(tmp_path, **{"train.max_steps": 6, "train.checkpoint_every": 3})
     # "killed" after step 3: a run that stops there, then a resumed one to step 6
     assert train.main(["--config", TINY, *over, "train.max_steps=3"]) == 0
-    assert train.main(["--config", TINY, *over, "--resume"]) == 0
+    # `--resume` before the overrides: argparse hands it the first override, which must go back
+    assert train.main(["--config", TINY, "--resume", *over]) == 0
     full, resumed = _losses(trained), _losses(tmp_path / "run")
     assert sorted(full) == sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert all(full[s] == resumed[s] for s in full), (full, resumed)  # exact equality, not closeness
@@ -154,3 +155,24 @@ def test_trainer_step_reduces_loss_on_a_fixed_batch(tmp_path):
     for _ in range(15):
         last = trainer.train_step(clips)["loss"]
     assert last < 0.8 * first
+
+
+def test_pretrained_model_refuses_overrides():
+    from dit.config import ModelConfig
+    from dit.setup import build_model
+
+    with pytest.raises(ValueError, match="cannot change a pretrained model"):
+        build_model(ModelConfig(pretrained="/some/wan", overrides={"num_layers": 2}))
+
+
+def test_generate_rejects_frames_a_causal_vae_cannot_make(trained):
+    from types import SimpleNamespace
+
+    from data.hashed_text import HashedTextEncoder
+    from dit.model import VideoDiT
+    from dit.sampling import generate
+
+    model = VideoDiT.from_pretrained(trained / "checkpoints" / "step_000006" / "ema")
+    vae = SimpleNamespace(stride=(4, 8, 8))  # only its stride is read before the check
+    with pytest.raises(ValueError, match="frames=10: .* needs 1 \+ 4k frames, e.g. 9"):
+        generate(model, HashedTextEncoder(dim=model.config.text_dim), vae, ["x"], 10, 32, 32)
