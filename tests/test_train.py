@@ -176,3 +176,27 @@ def test_generate_rejects_frames_a_causal_vae_cannot_make(trained):
     vae = SimpleNamespace(stride=(4, 8, 8))  # only its stride is read before the check
     with pytest.raises(ValueError, match="frames=10: .* needs 1 \+ 4k frames, e.g. 9"):
         generate(model, HashedTextEncoder(dim=model.config.text_dim), vae, ["x"], 10, 32, 32)
+
+
+def test_run_killed_with_sigkill_resumes_to_the_same_losses(trained, tmp_path):
+    """A real kill (SIGKILL, no cleanup) of a run still going, right after its first checkpoint."""
+    import signal
+    import time
+
+    over = tiny_overrides(tmp_path, **{"train.checkpoint_every": 2})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # max_steps only decides when to stop, so a long run killed early shares the 6-step run's numbers
+    proc = subprocess.Popen([sys.executable, "train.py", "--config", TINY, *over, "train.max_steps=1000"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
+    killed_at = int(latest.read_text().strip().split("_")[1])
+    assert 2 <= killed_at <= 6
+    assert train.main(["--config", TINY, *over, "train.max_steps=6", "--resume"]) == 0
+    full, resumed = _losses(trained), _losses(tmp_path / "run")
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert all(full[s] == resumed[s] for s in full), (full, resumed)
