@@ -58,12 +58,15 @@ def load_text_encoder(
     max_length: int = 512,
     device: str = "cpu",
     dtype=torch.float32,
+    hashed_dim: int = 64,
+    seed: int = 0,
 ) -> TextEncoder:
-    """A T5/UMT5 encoder and its tokenizer from a local folder (or the built-in ``hashed`` one)."""
+    """A T5/UMT5 encoder and its tokenizer from a local folder (or the built-in ``hashed`` one, whose
+    width and seed must be the model's text_dim and the run's data.seed to match training)."""
     if kind == "hashed":  # the built-in encoder of the tiny config (data/hashed_text.py): no folder needed
         from data.hashed_text import HashedTextEncoder
 
-        return HashedTextEncoder()
+        return HashedTextEncoder(dim=hashed_dim, seed=seed)
     if kind not in TEXT_KINDS:
         raise ValueError(f"text encoder kind {kind!r} is unknown; use one of {TEXT_KINDS}")
     if path is None or not os.path.isdir(path):

@@ -27,13 +27,12 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
 
 
 def build_text_encoder(cfg: DataConfig, text_dim: int, device: torch.device | str = "cpu"):
-    if cfg.text_encoder == "hashed":
-        from data.hashed_text import HashedTextEncoder
-
-        return HashedTextEncoder(dim=text_dim, seed=cfg.seed)
     from data.text_encoders import load_text_encoder
 
-    encoder = load_text_encoder(cfg.text_encoder, cfg.text_encoder_path, cfg.text_max_length, device=device)
+    encoder = load_text_encoder(
+        cfg.text_encoder, cfg.text_encoder_path, cfg.text_max_length, device=str(device), hashed_dim=text_dim,
+        seed=cfg.seed,
+    )  # fmt: skip
     if encoder.dim != text_dim:
         raise ValueError(
             f"text encoder {cfg.text_encoder_path} gives {encoder.dim}-wide embeddings but the model expects "

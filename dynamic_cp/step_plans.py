@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dit.config import Config
 from dynamic_cp.baselines import static_plan
 from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import normalize_cp_sizes
+from dynamic_cp.groups_layout import default_cp_sizes, normalize_cp_sizes
 from dynamic_cp.plan_types import Plan
 from dynamic_cp.planner import plan as dynamic_plan
 
@@ -29,7 +29,7 @@ def cp_sizes_of(cfg: Config, world_size: int) -> tuple[int, ...]:
         if c > world_size or world_size % c:
             raise ValueError(
                 f"parallel.static_cp_size={c} must divide the number of ranks ({world_size}); "
-                f"use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+                f"use one of {[d for d in default_cp_sizes(world_size) if world_size % d == 0]}"
             )
         return normalize_cp_sizes(world_size, [c])
     return normalize_cp_sizes(world_size, p.cp_sizes)
