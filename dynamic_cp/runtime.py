@@ -37,6 +37,21 @@ from dynamic_cp.step_plans import build_cost_model, cp_sizes_of, make_plan_fn
 from dynamic_cp.step_stats import StepTimeline
 
 
+def check_world_failures(failures, failed_in_world: int) -> None:
+    """Stop when the world's broken files exceed ``max_failure_share``. Each rank loads only its share
+    of the clips, so its own log undercounts; every rank gets the same world count from the step's
+    all-reduce and so stops at the same step, with no rank left waiting in a collective."""
+    if failures.total and failed_in_world / failures.total > failures.max_failure_share:
+        from data.failures import TooManyFailures
+
+        raise TooManyFailures(
+            f"{failed_in_world} of {failures.total} files failed over all ranks "
+            f"({failed_in_world / failures.total:.1%}), above max_failure_share={failures.max_failure_share:.1%}. "
+            f"This rank's share: {failures.report()}\nFix or remove these files (python -m data.scan rewrites a "
+            "clean manifest), or raise max_failure_share if this share is expected."
+        )
+
+
 class DistributedTrainer(Trainer):
     """``Trainer`` whose steps run on a plan over ``world``; everything else (model, optimizer, EMA,
     checkpoints, validation) is the single-process trainer's."""
@@ -61,6 +76,9 @@ class DistributedTrainer(Trainer):
         self.cost_model = build_cost_model(cfg, self.model.config)
         self.plan_fn = make_plan_fn(cfg, self.cost_model, self.world_size)
         self.stride = vae_stride(cfg.data)
+        failures = getattr(self.train_set, "failures", None)
+        # found while building the dataset: the same on every rank, so counted once
+        self._build_failures = len(failures.failed) if failures is not None else 0
 
     # ----------------------------------------------------------------------------- rank-0 side effects
 
@@ -123,7 +141,15 @@ class DistributedTrainer(Trainer):
             self._sync()
             timeline.record(m, ready, time.perf_counter() - t0)
         timeline.finish(time.perf_counter() - t0)
-        total_loss, gathered = self._all_reduce(local_loss, timeline.local())
+        failures = getattr(self.train_set, "failures", None)
+        # Broken files found while loading: each rank sees only its share of the clips, so the
+        # max_failure_share check needs the world's count (it rides in the same all-reduce).
+        local_failed = float(len(failures.failed) - self._build_failures) if failures is not None else 0.0
+        extra = torch.cat([torch.tensor([local_failed], dtype=torch.float64), timeline.local().double()])
+        total_loss, reduced = self._all_reduce(local_loss, extra)
+        if failures is not None:
+            check_world_failures(failures, self._build_failures + int(reduced[0]))
+        gathered = reduced[1:]
         metrics = self.finish_step(total_loss)
         hist = batch.plan.cp_histogram()
         return {
@@ -136,8 +162,8 @@ class DistributedTrainer(Trainer):
             **{k: round(v, 6) for k, v in batch.timings.items()},
         }
 
-    def _all_reduce(self, local_loss: float, timeline: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """SUM of gradients, loss and timeline over the world, as one flat buffer and one collective.
+    def _all_reduce(self, local_loss: float, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """SUM of gradients, loss and ``extra`` over the world, as one flat buffer and one collective.
 
         A parameter without a gradient (this rank ran nothing, or no clip used it) contributes zeros.
         """
@@ -146,7 +172,7 @@ class DistributedTrainer(Trainer):
             p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params
         ]
         dtype = parts[0].dtype if parts else torch.float32
-        extra = torch.cat([torch.tensor([local_loss], dtype=torch.float64), timeline]).to(self.device, dtype)
+        extra = torch.cat([torch.tensor([local_loss], dtype=torch.float64), extra]).to(self.device, dtype)
         flat = torch.cat([*(x.to(dtype) for x in parts), extra])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
         offset = 0

@@ -83,3 +83,15 @@ def test_run_distributed_outside_torchrun_says_how_to_launch(monkeypatch):
     assert "RANK" not in os.environ
     with pytest.raises(ValueError, match="torchrun"):
         run_distributed(load_config(None, ["parallel.mode=dynamic"]))
+
+
+def test_failure_share_is_checked_over_the_world():
+    """Each rank sees 1/W of the load failures; the share is judged on the all-reduced count."""
+    from data.failures import FailureLog, TooManyFailures
+    from dynamic_cp.runtime import check_world_failures
+
+    log = FailureLog(total=100, max_failure_share=0.05)
+    log.fail("a.mp4", "truncated")  # this rank: 1% alone
+    check_world_failures(log, 5)  # 5% in the world: still allowed
+    with pytest.raises(TooManyFailures, match="6 of 100 files failed over all ranks"):
+        check_world_failures(log, 6)
