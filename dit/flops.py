@@ -1,8 +1,9 @@
-"""Model FLOPs of a training step, for the tokens/s and MFU figures in the logs.
+"""Model FLOPs (forward, 2 per multiply-add), shared by the logs' TFLOP/s and MFU and by the planner's
+cost model (dynamic_cp/cost_model.py), so the two count the same work.
 
-Per layer and token, forward: 12 D^2 (self-attention q/k/v/o, cross-attention q/o) + 4 D F (FFN);
-attention adds 4 n^2 D per clip of n tokens (bidirectional: no causal halving). Training is about
-3x forward. Cross-attention's text-side k/v projections are left out (text is short).
+Per layer: 12 D^2 + 4 D F per token (self-attention q/k/v/o, cross-attention q/o, FFN); 4 n^2 D for the
+bidirectional self-attention of a clip of n tokens (no causal halving); 4 T D^2 per clip for the
+cross-attention k/v of its T text tokens. Training is about 3x forward for the linear layers.
 """
 
 from __future__ import annotations
@@ -10,7 +11,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def linear_flops_per_token(dim: int, ffn_dim: int) -> int:
+    return 12 * dim * dim + 4 * dim * ffn_dim
+
+
+def attention_flops(num_tokens: int, dim: int) -> int:
+    return 4 * num_tokens * num_tokens * dim
+
+
+def text_kv_flops(text_tokens: int, dim: int) -> int:
+    return 4 * text_tokens * dim * dim
+
+
 def train_step_flops(seq_lens: Sequence[int], dim: int, ffn_dim: int, num_layers: int) -> float:
-    linear = sum(seq_lens) * (12 * dim * dim + 4 * dim * ffn_dim)
-    attention = sum(4 * n * n * dim for n in seq_lens)
+    """Training FLOPs of a step (3x forward); text k/v left out, as the text is short next to video."""
+    linear = sum(seq_lens) * linear_flops_per_token(dim, ffn_dim)
+    attention = sum(attention_flops(n, dim) for n in seq_lens)
     return 3.0 * num_layers * (linear + attention)

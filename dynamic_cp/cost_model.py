@@ -30,6 +30,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from dit.flops import attention_flops, linear_flops_per_token, text_kv_flops
+from dit.sizes import MODEL_SIZES
+
 # Training multipliers (forward + backward over forward), see DESIGN.md "Costs".
 LINEAR_TRAIN = 3.0
 ATTN_TRAIN = 3.5
@@ -126,8 +129,14 @@ class ModelDims:
 
 # Name -> dims registry, like DiT's size table. Wan2.1 sizes from its config files.
 MODELS: dict[str, ModelDims] = {
-    "wan-1.3b": ModelDims(d=1536, layers=30, ffn=8960, heads=12, text_tokens=512),
-    "wan-14b": ModelDims(d=5120, layers=40, ffn=13824, heads=40, text_tokens=512),
+    name: ModelDims(
+        d=MODEL_SIZES[name]["num_attention_heads"] * MODEL_SIZES[name]["attention_head_dim"],
+        layers=MODEL_SIZES[name]["num_layers"],
+        ffn=MODEL_SIZES[name]["ffn_dim"],
+        heads=MODEL_SIZES[name]["num_attention_heads"],
+        text_tokens=512,  # Wan pads captions to 512 umT5 tokens
+    )
+    for name in ("wan-1.3b", "wan-14b")
 }
 
 
@@ -139,9 +148,9 @@ class CostModel:
             raise ValueError(f"comm={comm!r}; use 'auto', 'ulysses' or 'ring'")
         self.dims, self.hw, self.comm = dims, hardware, comm
         d, f, T, layers = dims.d, dims.ffn, dims.text_tokens, dims.layers
-        self._lin_per_token = LINEAR_TRAIN * layers * (12 * d * d + 4 * d * f)
-        self._text_per_clip = LINEAR_TRAIN * layers * 4 * T * d * d
-        self._attn_coef = ATTN_TRAIN * layers * 4 * d  # times (L^2 + L T)
+        self._lin_per_token = LINEAR_TRAIN * layers * linear_flops_per_token(d, f)
+        self._text_per_clip = LINEAR_TRAIN * layers * text_kv_flops(T, d)
+        self._attn_coef = ATTN_TRAIN * layers * attention_flops(1, d)  # times (L^2 + L T)
 
     @classmethod
     def from_dims(
