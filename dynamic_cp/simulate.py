@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dynamic_cp.simulate", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="built-in workload (DESIGN.md statistics)")
-    src.add_argument("--manifest", help="Open-Sora CSV manifest (path,text,num_frames,height,width,fps)")
+    src.add_argument("--manifest", help="CSV/JSONL manifest (path,text,num_frames,height,width,fps)")
     src.add_argument("--lengths", help="text file of token counts, one per line")
     ap.add_argument("--gpus", type=int, nargs="+", default=[64], help="world sizes to simulate")
     ap.add_argument("--model", default="wan-1.3b", choices=sorted(MODELS))
@@ -38,14 +38,38 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--gantt", metavar="PREFIX", help="write PREFIX_<method>_<gpus>.png per-rank charts")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="clip-policy option for --manifest, as in data.options (e.g. fps=16, max_frames=81, resolution=632)",
+    )
     return ap
+
+
+def policy_options(items: list[str]) -> dict:
+    """['fps=16', 'resolution=632'] -> {'fps': 16, 'resolution': 632} (values parsed as YAML)."""
+    import yaml
+
+    options = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--option {item!r} must look like key=value, e.g. --option fps=16")
+        key, value = item.split("=", 1)
+        options[key.strip()] = yaml.safe_load(value)
+    return options
 
 
 def batch_for(args, world: int) -> list[int]:
     n = args.batch or max(1, int(round(args.samples_per_gpu * world)))
     if args.workload:
         return workload(args.workload, n, args.seed)
-    pool = read_manifest(args.manifest) if args.manifest else read_lengths(args.lengths)
+    pool = (
+        read_manifest(args.manifest, policy_options(args.option))
+        if args.manifest
+        else read_lengths(args.lengths)
+    )
     if args.manifest and args.batch is None and len(pool) <= n:
         return list(pool)  # a small manifest is one global batch
     return sample_batch(pool, n, args.seed)

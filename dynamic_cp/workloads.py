@@ -13,6 +13,7 @@ formula (``data.tokens.num_tokens``: causal VAE 4x8x8, patch 1x2x2). Frames foll
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -103,24 +104,33 @@ def sample_batch(pool, num_samples: int, seed: int = 0) -> list[int]:
     return [int(x) for x in pool[idx]]
 
 
-def read_manifest(path: str) -> list[int]:
-    """Tokens per row of an Open-Sora style CSV manifest (columns path,text,num_frames,height,width,fps)."""
-    import csv
+def read_manifest(path: str, policy_options: dict | None = None) -> list[int]:
+    """Tokens per clip of a CSV/JSONL manifest (Open-Sora columns path,text,num_frames,height,width,fps),
+    after the same clip policy training applies (``data.options``: fps, max_frames, resolution, ...),
+    so the simulation sees the clips the trainer will. Rows the policy rejects are left out."""
+    from data.clip_policy import ClipPolicy, ClipSkip
+    from data.manifest import read_manifest as read_rows
 
-    p = Path(path)
-    if not p.exists():
+    if not Path(path).exists():
         raise ValueError(f"manifest {path} does not exist")
-    with p.open(newline="") as f:
-        reader = csv.DictReader(f)
-        need = {"num_frames", "height", "width"}
-        if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise ValueError(f"manifest {path} needs columns {sorted(need)}; it has {reader.fieldnames}")
-        out = []
-        for row_no, row in enumerate(reader, start=2):
-            try:
-                out.append(num_tokens(int(row["num_frames"]), int(row["height"]), int(row["width"])))
-            except ValueError as e:
-                raise ValueError(f"{path} line {row_no}: bad num_frames/height/width ({e})") from e
+    options = policy_options or {}
+    valid = {f.name for f in dataclasses.fields(ClipPolicy)}
+    if set(options) - valid:
+        raise ValueError(
+            f"unknown clip-policy option {sorted(set(options) - valid)[0]!r}; valid: {sorted(valid)}"
+        )
+    policy = ClipPolicy(**options)
+    out = []
+    for row in read_rows(path):
+        if row.info is None:
+            raise ValueError(
+                f"manifest {path} needs columns num_frames, height, width and fps for {row.path}; "
+                "run python -m data.scan to fill them in"
+            )
+        try:
+            out.append(policy.tokens(policy.plan(row.info)))
+        except ClipSkip:
+            continue
     if not out:
-        raise ValueError(f"manifest {path} has no rows")
+        raise ValueError(f"manifest {path} has no rows the clip policy keeps")
     return out

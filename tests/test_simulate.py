@@ -78,6 +78,8 @@ def test_manifest_and_lengths_readers(tmp_path):
         "path,text,num_frames,height,width,fps\na.mp4,a cat,81,480,832,16\nb.jpg,a dog,1,256,256,1\n"
     )
     assert read_manifest(str(csv)) == [32_760, 256]
+    # the training clip policy applies: 16 fps of a 16 fps source, at most 33 frames, 256 px area
+    assert read_manifest(str(csv), {"fps": 16, "max_frames": 33, "resolution": 256}) == [9 * 12 * 21, 256]
     bad = tmp_path / "bad.csv"
     bad.write_text("path,text,frames\na.mp4,x,3\n")
     with pytest.raises(ValueError, match="needs columns"):
