@@ -16,10 +16,10 @@ import os
 import sys
 
 import torch
-import yaml
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from data.clip_policy import parse_options
 from data.readers import VideoReadError
 from data.tokens import latent_shape
 
@@ -122,16 +122,6 @@ def build_cache(
     return index
 
 
-def _options(pairs: list[str]) -> dict:
-    opts = {}
-    for p in pairs:
-        if "=" not in p:
-            raise ValueError(f"--option {p!r}: write key=value, e.g. --option crop=random")
-        k, v = p.split("=", 1)
-        opts[k.strip()] = yaml.safe_load(v)
-    return opts
-
-
 def main(argv: list[str] | None = None) -> int:
     from data.build import build_dataset
     from data.text_encoders import TEXT_KINDS, load_text_encoder
@@ -159,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     text = load_text_encoder(args.text_encoder, args.text_path, args.max_length, device=args.device)
     options = {k: getattr(args, k) for k in ("fps", "max_frames", "resolution", "max_tokens")}
     options = {k: v for k, v in options.items() if v is not None}
-    options.update(_options(args.option))
+    options.update(parse_options(args.option))
     options["vae_stride"] = vae.stride  # the cache's latents define the stride, not a guess
     dataset = build_dataset(args.source, **options)
     policy = getattr(dataset, "policy", None)

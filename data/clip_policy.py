@@ -177,3 +177,16 @@ class ClipPolicy:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """Command-line ``--option key=value`` items -> {key: value}, values parsed as YAML (fps=16 -> 16)."""
+    import yaml
+
+    options = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--option {pair!r}: write key=value, e.g. --option fps=16")
+        key, value = pair.split("=", 1)
+        options[key.strip()] = yaml.safe_load(value)
+    return options

@@ -48,28 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def policy_options(items: list[str]) -> dict:
-    """['fps=16', 'resolution=632'] -> {'fps': 16, 'resolution': 632} (values parsed as YAML)."""
-    import yaml
-
-    options = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--option {item!r} must look like key=value, e.g. --option fps=16")
-        key, value = item.split("=", 1)
-        options[key.strip()] = yaml.safe_load(value)
-    return options
-
-
 def batch_for(args, world: int) -> list[int]:
     n = args.batch or max(1, int(round(args.samples_per_gpu * world)))
     if args.workload:
         return workload(args.workload, n, args.seed)
-    pool = (
-        read_manifest(args.manifest, policy_options(args.option))
-        if args.manifest
-        else read_lengths(args.lengths)
-    )
+    if args.manifest:
+        from data.clip_policy import parse_options  # imports torch: only for manifests
+
+        pool = read_manifest(args.manifest, parse_options(args.option))
+    else:
+        pool = read_lengths(args.lengths)
     if args.manifest and args.batch is None and len(pool) <= n:
         return list(pool)  # a small manifest is one global batch
     return sample_batch(pool, n, args.seed)
