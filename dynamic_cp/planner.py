@@ -21,6 +21,10 @@ Algorithm
    whose ranks finish earliest. Every earlier placement covered whole aligned blocks of a size >= c,
    so all ranks of a c-block are equally loaded when the c-clips arrive, and running the plan in
    size-descending order leaves no idle gaps: a rank's finish time is the sum of what covers it.
+   One more candidate chooses size and block together (``_place_joint``): the clips that are a
+   visible share of the step, most work first, each take the (size, block) that minimises
+   max(its finish, (rank-seconds so far + its own + the rest's cheapest) / W), so a mid-size clip
+   grows onto idle ranks instead of queueing behind a big one; small clips then go LPT.
 4. **Local search** on the best candidates (by that sum): while the busiest rank can shed work, move
    a clip to another block of its size, swap two clips of one size, or resize a clip one or two
    sizes up or down (onto the least-loaded block, or the block nested with its own), taking the
@@ -33,7 +37,7 @@ Algorithm
    ring traffic behind its longest clip), and the fastest is returned with that predicted step.
 
 Cost: O(n K) for the table, O(n log W) per candidate placement, a bounded local search and
-O(n log n) packing: about 15 ms of CPU for 1,000 clips on 128 ranks (bench/bench_planner.py).
+O(n log n) packing: about 20 ms of CPU for 1,000 clips on 128 ranks (bench/bench_planner.py).
 """
 
 from __future__ import annotations
@@ -140,6 +144,67 @@ def _place_all(n: int, k: np.ndarray, table: np.ndarray, world: int, sizes: tupl
         if ids.size:
             pl.place(sizes[j], ids, t)
     return pl
+
+
+def _place_joint(
+    table: np.ndarray, world: int, sizes: tuple[int, ...], big_share: float = 0.05
+) -> tuple[_Placement, np.ndarray]:
+    """Step 3b: choose each clip's size *and* block together, biggest work first.
+
+    Step 2 fixes sizes before placement, so a mid-size clip can keep a small group and end up on
+    ranks already busy with a big clip, when one size up on idle ranks would finish sooner. Here each
+    clip takes the (size, block) that minimises the step estimate
+
+        max(block finish + t_i(c), (placed rank-seconds + c * t_i(c) + remaining cheapest work) / W)
+
+    so a clip grows while the idle ranks it uses would otherwise wait, and stops growing once the
+    extra rank-seconds (communication, small-shard inefficiency) raise the whole step. Ties: fewer
+    rank-seconds, then the smaller size, then the lower block. Any assignment to aligned blocks is
+    hole-free when run in size-descending order (step 3), so ``finish`` stays exact.
+
+    Only clips that are a visible share of the step (``big_share`` of the target) get this search;
+    the many small ones take their cheapest size and go LPT onto the least-loaded blocks afterwards,
+    which keeps the cost at O(big clips x sizes) numpy calls.
+    """
+    n, K = table.shape
+    size_arr = np.asarray(sizes, dtype=np.float64)
+    work = table * size_arr  # rank-seconds of clip i at size j (inf where it does not fit)
+    cheapest = work.min(axis=1)
+    k = np.argmin(work, axis=1)  # small clips keep their cheapest size
+    target = max(float(cheapest.sum()) / world, float(table.min(axis=1).max()))
+    big = np.flatnonzero(table[np.arange(n), k] > big_share * target)
+    order = big[np.lexsort((big, -cheapest[big]))]  # most work first, then id: deterministic
+    remaining = float(cheapest.sum())
+    placed_work = 0.0
+    pl = _Placement(world, sizes)
+    for i in order.tolist():
+        remaining -= cheapest[i]
+        best = None  # (estimate, rank-seconds, j, start)
+        for j, c in enumerate(sizes):
+            t = table[i, j]
+            if not np.isfinite(t):
+                continue
+            starts = pl.block_starts(c)
+            nb = len(starts)
+            loads = pl.finish[: nb * c].reshape(nb, c).max(axis=1)
+            b = int(np.argmin(loads))
+            est = max(float(loads[b]) + t, (placed_work + work[i, j] + remaining) / world)
+            cand = (est, float(work[i, j]), j, starts[b])
+            if best is None or cand < best:
+                best = cand
+        _, w, j, s = best
+        k[i] = j
+        placed_work += w
+        pl.blocks.setdefault((sizes[j], s), []).append(i)
+        pl.finish[s : s + sizes[j]] += table[i, j]
+    small = np.ones(n, dtype=bool)
+    small[big] = False
+    t = table[np.arange(n), k]
+    for j in range(len(sizes) - 1, -1, -1):
+        ids = np.flatnonzero(small & (k == j))
+        if ids.size:
+            pl.place(sizes[j], ids, t)
+    return pl, k
 
 
 def _local_search(pl: _Placement, table: np.ndarray, k: np.ndarray, iters: int) -> None:
@@ -335,6 +400,7 @@ def plan(
             continue
         seen.add(key)
         placed.append((_place_all(L.size, k, table, world_size, sizes), k))
+    placed.append(_place_joint(table, world_size, sizes))
     placed.sort(key=lambda pk: pk[0].makespan())
     refine = placed[:num_refine]
     # Static CP's shape is refined too, and also kept as placed (LPT, no search), so the result is
