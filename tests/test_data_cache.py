@@ -136,6 +136,24 @@ def test_identity_vae_and_bad_kinds(tmp_path):
         load_text_encoder("clip", str(tmp_path))
 
 
+def test_hashed_text_cache_matches_the_models_width_and_seed(media, tmp_path):
+    from data.hashed_text import HashedTextEncoder
+
+    out = str(tmp_path / "cache")
+    args = ["--source", os.path.join(media, "videos"), "--vae", "identity", "--out", out]
+    args += ["--text-encoder", "hashed", "--text-dim", "48", "--text-seed", "3", "--dtype", "float32"]
+    args += ["--option", "vae_stride=[1,1,1]", "--option", "patch=[1,1,1]"]
+    assert cache.main(args + POLICY) == 0
+    ds = build_dataset(out)
+    captions = build_dataset(os.path.join(media, "videos"), fps=12, max_frames=9, resolution=32,
+                             max_failure_share=0.5, progress=False)  # fmt: skip
+    want = HashedTextEncoder(dim=48, seed=3).encode([captions[0]["caption"]])[0]
+    torch.testing.assert_close(ds[0]["text_emb"], want)  # what training encodes with text_dim 48, seed 3
+    with pytest.raises(SystemExit):  # a width for a real encoder is a mistake, not silently ignored
+        cache.main(["--source", "x", "--out", str(tmp_path / "c2"), "--vae", "identity",
+                    "--text-encoder", "t5", "--text-dim", "48"])  # fmt: skip
+
+
 def test_cache_refuses_to_overwrite_and_reports_damaged_shards(media, tmp_path):
     out = str(tmp_path / "cache")
     args = [
