@@ -182,6 +182,10 @@ class CostModel:
         hw = self.hw
         return hw.peak_flops * hw.attention_efficiency * q / (q + hw.attention_half_tokens)
 
+    def _attn_time(self, L, cp):
+        """Attention seconds per rank of clips of ``L`` tokens split over ``cp`` ranks (broadcasts)."""
+        return self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp)
+
     # ---------------------------------------------------------------- communication
     def cp_layout(self, cp: int) -> list[tuple[int, int]]:
         """(ulysses, ring) degree pairs the comm setting allows for a CP size; ulysses * ring = cp."""
@@ -199,19 +203,19 @@ class CostModel:
             return [(cp, 1)]
         return [(u, cp // u) for u in us]
 
-    def _comm_time(self, tokens, cp: int, attn_s, cross_node: bool | None, latency_share=1.0):
-        """Exposed communication seconds per rank for micro-batches of ``tokens`` on ``cp`` ranks.
+    def _layout_times(self, tokens, cp: int, attn_s, cross_node: bool | None, latency_share=1.0):
+        """(layouts, times): ``cp_layout(cp)`` and each one's exposed communication seconds per rank,
+        shape (len(layouts), *tokens.shape), for micro-batches of ``tokens`` on ``cp`` ranks (cp > 1).
 
         Array-friendly: ``tokens``, ``attn_s`` (attention seconds the ring can hide behind) and
         ``latency_share`` (fraction of the per-call latency charged) broadcast together.
         """
         tokens = np.asarray(tokens, dtype=np.float64)
-        if cp <= 1:
-            return np.zeros_like(tokens)
         hw, d, layers = self.hw, self.dims.d, self.dims.layers
         per_rank = tokens / cp
-        best = np.full_like(tokens, np.inf)
-        for u, r in self.cp_layout(cp):
+        layouts = self.cp_layout(cp)
+        times = []
+        for u, r in layouts:
             t = np.zeros_like(tokens)
             if u > 1:
                 # Ulysses groups are contiguous ranks, so they stay in a node unless u itself spans nodes.
@@ -227,8 +231,27 @@ class CostModel:
                 # backward passes K, V and their grads again: 3x the forward volume.
                 ring = 3 * layers * (r - 1) * (lat * latency_share + 4 * per_rank * d / bw)
                 t = t + np.maximum(ring - attn_s, 0.0)  # ring overlaps with attention compute
-            best = np.minimum(best, t)
-        return best
+            times.append(t)
+        return layouts, np.stack(times)
+
+    def _comm_time(self, tokens, cp: int, attn_s, cross_node: bool | None, latency_share=1.0):
+        """Exposed communication seconds per rank: the cheapest layout's (see ``_layout_times``)."""
+        if cp <= 1:
+            return np.zeros_like(np.asarray(tokens, dtype=np.float64))
+        return self._layout_times(tokens, cp, attn_s, cross_node, latency_share)[1].min(axis=0)
+
+    def layout(self, lengths, cp: int, cross_node: bool | None = None) -> tuple[int, int]:
+        """(ulysses, ring) split that ``micro_batch_time`` charges for the packed micro-batch
+        ``lengths`` on ``cp`` ranks: the cheapest, ties going to the larger Ulysses degree.
+
+        The runtime runs this split, so what the planner prices is what executes.
+        """
+        if cp <= 1:
+            return (1, 1)
+        L = np.asarray(lengths, dtype=np.float64)
+        layouts, times = self._layout_times(L.sum(), cp, self._attn_time(L, cp).sum(), cross_node)
+        # argmin keeps the first of equal minima; cp_layout lists u ascending, so search from the end
+        return layouts[len(layouts) - 1 - int(np.argmin(times[::-1]))]
 
     # ---------------------------------------------------------------- time
     def micro_batch_time(self, lengths, cp: int, cross_node: bool | None = None) -> float:
@@ -263,7 +286,7 @@ class CostModel:
         sel = np.flatnonzero(nonempty)
         starts = (np.cumsum(counts) - counts)[sel]
         cp_el = np.repeat(cp, counts)
-        attn_el = self._attn_coef * (L * L + L * self.dims.text_tokens) / cp_el / self._attn_rate(L / cp_el)
+        attn_el = self._attn_time(L, cp_el)
         attn = np.add.reduceat(attn_el, starts)
         tokens = np.add.reduceat(L, starts)
         n = tokens / cp[sel]
@@ -297,7 +320,7 @@ class CostModel:
         lin = self._lin_per_token * L / cp / rate + self._text_per_clip / self._gemm_rate(
             self.dims.text_tokens
         )
-        attn = self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp)
+        attn = self._attn_time(L, cp)
         comm = self._comm_time(L, cp, attn, None, latency_share=share)
         return self.hw.micro_batch_overhead_s * share + lin + attn + comm
 

@@ -4,6 +4,9 @@ The runtime builds one torch process group per entry of ``allowed_groups`` at st
 planner only ever uses those entries. Blocks are aligned (a block of size c starts at a multiple of c),
 so the groups form a laminar family: two groups are either disjoint or one contains the other. That
 is what keeps a rank in only log2(W) + 1 groups and lets plan-ordered execution run without holes.
+
+The 2-D (Ulysses x ring) layout also needs, inside a CP group, blocks of contiguous ranks and ring
+groups that stride over them (``hybrid_sub_groups``, ``hybrid_groups``); the planner never names those.
 """
 
 from __future__ import annotations
@@ -67,3 +70,43 @@ def allowed_groups(world_size: int, cp_sizes=None) -> list[tuple[int, ...]]:
 def groups_of_rank(rank: int, world_size: int, cp_sizes=None) -> list[tuple[int, ...]]:
     """The allowed groups that contain ``rank``: one per CP size at most."""
     return [g for g in allowed_groups(world_size, cp_sizes) if rank in g]
+
+
+def hybrid_sub_groups(
+    ranks: tuple[int, ...], ulysses: int
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(Ulysses blocks, ring groups) of the 2-D split of CP group ``ranks`` with ``ulysses`` ranks per block.
+
+    Blocks are contiguous runs of ``ulysses`` ranks: on aligned groups they are aligned, so they stay
+    inside a node (as the cost model assumes) and are the CP groups of that size when it is allowed.
+    Ring group j holds the j-th rank of every block (stride ``ulysses``), in block order.
+    """
+    c = len(ranks)
+    if ulysses < 1 or c % ulysses:
+        raise ValueError(f"Ulysses degree {ulysses} must divide the CP group size {c}")
+    blocks = [tuple(ranks[s : s + ulysses]) for s in range(0, c, ulysses)]
+    rings = [tuple(ranks[j::ulysses]) for j in range(ulysses)]
+    return blocks, rings
+
+
+def hybrid_groups(world_size: int, cp_sizes=None, splits=None) -> list[tuple[int, ...]]:
+    """Every Ulysses block and ring group the 2-D layouts need, in a fixed order, without repeats.
+
+    splits: cp -> the (ulysses, ring) pairs a CP group of that size may run (``CostModel.cp_layout``);
+    None: no 2-D layouts. Only pairs with both degrees > 1 need sub-groups. Blocks that are already
+    in ``allowed_groups`` are left out (the runtime reuses those).
+    """
+    if splits is None:
+        return []
+    have = set(allowed_groups(world_size, cp_sizes))
+    out: list[tuple[int, ...]] = []
+    for group in allowed_groups(world_size, cp_sizes):
+        for u, r in splits(len(group)):
+            if u == 1 or r == 1:
+                continue
+            blocks, rings = hybrid_sub_groups(group, u)
+            for g in blocks + rings:
+                if g not in have:
+                    have.add(g)
+                    out.append(g)
+    return out

@@ -72,8 +72,10 @@ class DistributedTrainer(Trainer):
         self.is_main = self.rank == 0
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
-        self.groups = build_cp_groups(world, cp_sizes_of(cfg, self.world_size))
         self.cost_model = build_cost_model(cfg, self.model.config)
+        # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
+        splits = self.cost_model.cp_layout if cfg.parallel.cp_method == "auto" else None
+        self.groups = build_cp_groups(world, cp_sizes_of(cfg, self.world_size), splits)
         self.plan_fn = make_plan_fn(cfg, self.cost_model, self.world_size)
         self.stride = vae_stride(cfg.data)
         failures = getattr(self.train_set, "failures", None)
@@ -130,9 +132,7 @@ class DistributedTrainer(Trainer):
         local_loss = 0.0
         for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
             ready = time.perf_counter() - t0
-            attention, shard = make_cp_attention(
-                self.groups.get(ranks), [c.num_tokens for c in clips], self.cfg.parallel.cp_method, heads
-            )
+            attention, shard = self._cp_attention(ranks, [c.num_tokens for c in clips], heads)
             token_range = (shard.start, shard.end) if len(ranks) > 1 else None
             with self.autocast():
                 loss = micro_batch_loss(self.model, clips, attention, batch.num_clips, token_range)
@@ -156,11 +156,30 @@ class DistributedTrainer(Trainer):
             **metrics,
             "num_micro_batches": len(batch.plan.micro_batches),
             "cp_hist": {str(c): n for c, n in hist.items()},
+            "cp_layouts": self._layout_histogram(batch),
             "predicted_s": batch.plan.predicted_step_s,
             **timeline.summarize(gathered),
             "plan_ms": batch.plan.solver_ms,
             **{k: round(v, 6) for k, v in batch.timings.items()},
         }
+
+    def _cp_attention(self, ranks, lengths: list[int], heads: int):
+        """(attention, shard) for one micro-batch in the layout the cost model priced for it: the
+        planner's prices and what runs are the same split (``CostModel.layout``)."""
+        u, r = self.cost_model.layout(lengths, len(ranks))
+        sub_groups = self.groups.sub_groups(ranks, u) if u > 1 and r > 1 else None
+        return make_cp_attention(
+            self.groups.get(ranks), lengths, num_heads=heads, layout=(u, r), sub_groups=sub_groups
+        )
+
+    def _layout_histogram(self, batch: StepBatch) -> dict[str, int]:
+        """ "UxR" -> micro-batches of the plan (all ranks) that run Ulysses U x ring R, CP > 1 only."""
+        hist: dict[str, int] = {}
+        for ranks, ids in batch.plan.micro_batches:
+            if len(ranks) > 1:
+                u, r = self.cost_model.layout([batch.lengths[i] for i in ids], len(ranks))
+                hist[f"{u}x{r}"] = hist.get(f"{u}x{r}", 0) + 1
+        return dict(sorted(hist.items()))
 
     def _all_reduce(self, local_loss: float, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
         """SUM of gradients, loss and ``extra`` over the world, as one flat buffer and one collective.

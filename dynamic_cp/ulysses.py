@@ -1,12 +1,16 @@
-"""Ulysses (DeepSpeed sequence parallel) attention over a CP group.
+"""Ulysses (DeepSpeed sequence parallel) attention over a group of ranks holding contiguous shards.
 
 Each rank holds a contiguous token shard of q, k, v with all heads. One all-to-all per tensor trades
-that for *all* tokens of the micro-batch and h/c of the heads; attention is then ordinary
-block-diagonal varlen attention over the full packed sequence, with the global clip lengths; a last
-all-to-all returns the output to token shards. Heads must divide by the group size c. Shard sizes may
-differ (by one token, or be empty), so the all-to-alls use unequal split sizes.
+that for *all* tokens of the group's shards and h/c of the heads; an inner attention runs over those
+tokens; a last all-to-all returns the output to token shards. Heads must divide by the group size c.
+Shard sizes may differ (by one token, or be empty), so the all-to-alls use unequal split sizes.
 
-Legend: n = packed tokens of the micro-batch, n_r = tokens of shard r, c = group size,
+Plain Ulysses: the group is the whole CP group, its shards cover the micro-batch, and the inner
+attention is block-diagonal varlen attention with the global clip lengths (``PackedAttention``).
+2-D (Ulysses x ring, ``dynamic_cp/cp_attention.py``): the group is one Ulysses block of a CP group,
+its shards cover the block's token range, and the inner attention is ring attention over the blocks.
+
+Legend: n = tokens of the group's shards together, n_r = tokens of shard r, c = group size,
 h = heads, d = head dim.
 """
 
@@ -15,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dit.attention import cu_seqlens_from_lengths, varlen_attention
-from dynamic_cp.sharding import ShardInfo
+from dit.attention import AttentionFn
 
 
 def _tokens_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
@@ -80,21 +83,27 @@ def check_heads(num_heads: int, group_size: int) -> None:
 
 
 class UlyssesAttention:
-    """``AttentionFn`` for one rank of a CP group: (n_r, h, d) q, k, v -> (n_r, h, d)."""
+    """``AttentionFn`` for one rank of ``group``: (n_r, h, d) q, k, v -> (n_r, h, d).
 
-    def __init__(self, group: dist.ProcessGroup, info: ShardInfo):
-        if dist.get_world_size(group) != info.num_shards or dist.get_rank(group) != info.rank:
-            raise ValueError("the shard info was made for another group or rank; build it from this group")
-        self.group, self.info = group, info
-        self.sizes = info.shard_sizes
-        self.cu_seqlens = cu_seqlens_from_lengths(info.seq_lens)  # global clips: attention sees them all
+    sizes: tokens of each member's shard, in group rank order; together one contiguous token range.
+    inner: attention over that range with h/c heads, (n, h/c, d) -> (n, h/c, d).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, sizes: list[int], inner: AttentionFn):
+        if dist.get_world_size(group) != len(sizes):
+            raise ValueError(
+                f"{len(sizes)} shard sizes for a group of {dist.get_world_size(group)} ranks; "
+                "pass one size per member of this group"
+            )
+        self.group, self.sizes, self.inner = group, list(sizes), inner
+        self.num_local = self.sizes[dist.get_rank(group)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        check_heads(q.shape[1], self.info.num_shards)
-        if q.shape[0] != self.info.num_local:
-            raise ValueError(f"q has {q.shape[0]} tokens but this rank's shard holds {self.info.num_local}")
+        check_heads(q.shape[1], len(self.sizes))
+        if q.shape[0] != self.num_local:
+            raise ValueError(f"q has {q.shape[0]} tokens but this rank's shard holds {self.num_local}")
         # (n_r, h, d) -all_to_all-> (n, h/c, d), for each of q, k, v
         q, k, v = (_TokensToHeads.apply(x, self.group, self.sizes) for x in (q, k, v))
-        out = varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens)  # (n, h/c, d)
+        out = self.inner(q, k, v)  # (n, h/c, d)
         # (n, h/c, d) -all_to_all-> (n_r, h, d)
         return _HeadsToTokens.apply(out, self.group, self.sizes)

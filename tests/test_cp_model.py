@@ -1,8 +1,9 @@
 """A DiT block and the whole tiny VideoDiT under CP equal the single-process run, outputs and gradients.
 
-One spawn of 3 gloo processes runs every case. Each rank builds the same model from the same seed,
+One spawn of 4 gloo processes runs every case. Each rank builds the same model from the same seed,
 runs the reference on the full packed micro-batch, then its own shard under CP. Parameter gradients
 are summed over the CP group (what the step's gradient all-reduce does) before the comparison.
+The 2-D layout (Ulysses 2 x ring 2 on 4 ranks) runs on sub-groups from ``build_cp_groups``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from dit.attention import PackedAttention, cu_seqlens_from_lengths
 from dit.model import DiTBlock, RotaryEmbedding3D, VideoDiT
 from dit.packing import pack
 from dynamic_cp.cp_attention import make_cp_attention
+from dynamic_cp.groups import build_cp_groups
 from dynamic_cp.testing import run_gloo_cases
 
-WORLD = 3
-GROUPS = {"g12": [1, 2], "g012": [0, 1, 2]}
+WORLD = 4
+GROUPS = {"g12": [1, 2], "g012": [0, 1, 2], "g0123": [0, 1, 2, 3]}
 DIM = 48
 # (what, group, method, heads): with 6 heads "auto" is Ulysses on 2 and 3 ranks; with 3 heads and
-# 2 ranks it is ring.
+# 2 ranks it is ring. "2x2" is the 2-D layout (6 heads: 2 per Ulysses rank, 3 per ring step).
 CASES = [
+    ("block", "g0123", "2x2", 6),
+    ("model", "g0123", "2x2", 6),
     ("block", "g12", "ulysses", 6),
     ("block", "g012", "ring", 6),
     ("model", "g12", "auto", 6),
@@ -103,8 +107,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) if b.numel() else 0.0
 
 
-def _run_case(case, group) -> dict[str, float]:
-    what, _, method, heads = case
+def _run_case(case, group, cp_groups) -> dict[str, float]:
+    what, group_name, method, heads = case
     gen = torch.Generator().manual_seed(sum(map(ord, case_id(case))))
     batch = _batch(gen)
     n = int(batch["seq_lens"].sum())
@@ -126,7 +130,12 @@ def _run_case(case, group) -> dict[str, float]:
     (ref * out_w).sum().backward()
 
     model = _build(what, heads)
-    attention, info = make_cp_attention(group, batch["seq_lens"], method=method, num_heads=heads)
+    if "x" in method:  # a 2-D layout, as the runtime passes it
+        u, r = map(int, method.split("x"))
+        layout = {"layout": (u, r), "sub_groups": cp_groups.sub_groups(GROUPS[group_name], u)}
+    else:
+        layout = {"method": method}
+    attention, info = make_cp_attention(group, batch["seq_lens"], num_heads=heads, **layout)
     out = _run(what, model, batch, extra, info.shard, info.local_seq_lens, attention)
     (out * info.shard(out_w)).sum().backward()
 
@@ -142,12 +151,14 @@ def _run_case(case, group) -> dict[str, float]:
 
 
 def worker(rank: int, world_size: int) -> dict[str, object]:
-    groups = {name: dist.new_group(ranks) for name, ranks in GROUPS.items()}
+    groups = {name: dist.new_group(ranks) for name, ranks in GROUPS.items() if len(ranks) < world_size}
+    groups["g0123"] = dist.group.WORLD
+    cp_groups = build_cp_groups(dist.group.WORLD, cp_sizes=[4], splits=lambda c: [(2, 2)])
     results = {}
     for case in CASES:
         if rank in GROUPS[case[1]]:
             try:
-                results[case_id(case)] = _run_case(case, groups[case[1]])
+                results[case_id(case)] = _run_case(case, groups[case[1]], cp_groups)
             except Exception:  # report it per case
                 results[case_id(case)] = traceback.format_exc()
     return results

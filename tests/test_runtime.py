@@ -1,7 +1,10 @@
 """The Dynamic-CP runtime equals single-process training: parameters after a step, losses after resume.
 
 One spawn of 4 gloo ranks runs every distributed case; the single-process references run here.
-- dynamic: the planner's plan (a clip longer than the per-rank cap forces CP >= 2), Ulysses attention;
+- dynamic: the planner's plan (a clip longer than the per-rank cap forces CP >= 2), attention in the
+  layout the cost model picks;
+- hybrid: 2 heads and a 320-token clip that needs CP 4, on a zero-latency profile where the cost
+  model picks Ulysses 2 x ring 2: the 2-D layout runs (checked on the attention objects built);
 - static: every micro-batch on CP 2, ring attention;
 - uneven: 3 clips on 4 ranks (rank 3 loads nothing, some rank may run nothing);
 - resume: a run that dies mid-step after its step-2 checkpoint, resumed, logs the same losses as an
@@ -12,6 +15,7 @@ on the same global batch within 1e-5 (relative, per tensor), and all ranks must 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,6 +29,8 @@ import torch.distributed as dist
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
+from dynamic_cp import runtime
+from dynamic_cp.cost_model import Hardware
 from dynamic_cp.runtime import DistributedTrainer, train_distributed
 from dynamic_cp.testing import run_gloo
 
@@ -55,8 +61,16 @@ def overrides(out: str, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
+PROFILE = "zero_latency.yaml"  # written into the run's root by the fixture
 CASES = {
     "dynamic": {"parallel.mode": "dynamic"},
+    "hybrid": {
+        "parallel.mode": "dynamic",
+        "model.overrides": "{num_layers: 2, patch_size: [1, 4, 4], num_attention_heads: 2, attention_head_dim: 64}",
+        "data.resolutions": "[[32, 32]]",  # 64 tokens a frame: 5 frames need CP 4 under the cap
+        "train.global_batch_size": 3,
+        "parallel.plan_ahead": False,
+    },
     "static": {"parallel.mode": "static", "parallel.static_cp_size": 2, "parallel.cp_method": "ring"},
     "uneven": {"parallel.mode": "dynamic", "train.global_batch_size": 3, "parallel.plan_ahead": False},
 }
@@ -72,18 +86,35 @@ def perturb(model: torch.nn.Module) -> None:
 
 
 def _one_step(case: str, out: str) -> dict:
-    cfg = load_config(CONFIG, overrides(out, **CASES[case]))
+    # Latency-free links make the cost model's 2-D split win at CP 4 (with latency, ring's fewer
+    # calls win at these tiny sizes); the profile only changes prices, never the maths.
+    hardware = {"parallel.hardware": str(Path(out).parent / PROFILE)} if case == "hybrid" else {}
+    cfg = load_config(CONFIG, overrides(out, **CASES[case], **hardware))
     trainer = DistributedTrainer(cfg, dist.group.WORLD)
     perturb(trainer.model)
     batches = trainer.data_iterator()
     batch = next(batches)
-    metrics = trainer.train_step(batch)
+    built = []  # (layout, attention type, inner type) of every micro-batch this rank ran
+
+    def recording(*args, **kwargs):
+        attention, shard = make_cp_attention(*args, **kwargs)
+        inner = getattr(attention, "inner", None)
+        built.append((kwargs["layout"], type(attention).__name__, type(inner).__name__))
+        return attention, shard
+
+    make_cp_attention = runtime.make_cp_attention
+    runtime.make_cp_attention = recording
+    try:
+        metrics = trainer.train_step(batch)
+    finally:
+        runtime.make_cp_attention = make_cp_attention
     batches.close()
     return {
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "metrics": metrics,
         "lengths": batch.lengths,
         "plan": batch.plan.micro_batches,
+        "built": built,
     }
 
 
@@ -150,6 +181,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime")
+    zero_latency = dataclasses.replace(
+        Hardware.load("h100"), name="zero-latency", intra_node_latency_s=0.0, inter_node_latency_s=0.0
+    )
+    (root / PROFILE).write_text(zero_latency.to_yaml())
     out = run_gloo(worker, WORLD, str(root), timeout_s=240)
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
@@ -181,6 +216,23 @@ def test_step_equals_single_process(results, case, tmp_path):
             )
 
 
+def test_hybrid_step_runs_the_2d_layout(results):
+    """The cost model's 2 x 2 split is what ran: in the log's histogram and on every rank of the
+    CP-4 micro-batch, as Ulysses wrapping ring attention (the params check is the test above)."""
+    _, out = results
+    assert out[0]["hybrid"]["metrics"]["cp_layouts"].get("2x2", 0) >= 1, out[0]["hybrid"]["metrics"]
+    for r in range(WORLD):
+        assert ((2, 2), "UlyssesAttention", "RingAttention") in out[r]["hybrid"]["built"], out[r]["hybrid"][
+            "built"
+        ]
+    for r in range(WORLD):  # and the 1-D layouts elsewhere are the plain classes
+        for layout, outer, _ in out[r]["dynamic"]["built"]:
+            assert (
+                outer
+                == {(1, 1): "PackedAttention", (1, 2): "RingAttention", (2, 1): "UlyssesAttention"}[layout]
+            )
+
+
 def test_uneven_batch_leaves_a_rank_without_data(results):
     _, out = results
     res = out[0]["uneven"]
@@ -203,7 +255,15 @@ def test_resume_after_kill_gives_same_losses(results):
 def test_step_logs_plan_and_timeline(results):
     root, _ = results
     rec = [json.loads(x) for x in (root / "whole" / "metrics.jsonl").read_text().splitlines()][1]
-    for key in ("cp_hist", "num_micro_batches", "predicted_s", "compute_s", "step_s", "idle_share"):
+    for key in (
+        "cp_hist",
+        "cp_layouts",
+        "num_micro_batches",
+        "predicted_s",
+        "compute_s",
+        "step_s",
+        "idle_share",
+    ):
         assert key in rec, f"metrics line lacks {key}: {rec}"
     assert sum(rec["cp_hist"].values()) == rec["num_micro_batches"]
     assert all(0.0 <= x <= 1.0 for x in rec["idle_share"])
