@@ -38,20 +38,34 @@ def _use_flash(q: torch.Tensor) -> bool:
     return flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def max_segment(cu_seqlens: torch.Tensor) -> int:
+    """Longest segment of (b+1,) offsets; read it from host offsets (on the device it is a sync)."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+
+
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention of segment i of q over segment i of k/v, for every segment.
 
     q: (nq, h, d), k/v: (nk, h, d), cu_seqlens_*: (b+1,) offsets. Segments may be empty (a clip with no
     tokens on this rank). Returns (nq, h, d). Uses flash-attn varlen on CUDA in half precision when it is
-    installed, otherwise torch SDPA one segment at a time (exact, no padding).
+    installed, otherwise torch SDPA one segment at a time (exact, no padding). max_seqlen_*: the longest
+    segments when the caller knows them (it must, to pass offsets already on the device without a sync).
     """
     if _use_flash(q):
+        # the maxima from the offsets as given (host ones: no device sync), then the copy (a no-op
+        # for offsets a caller keeps on the device)
+        max_q = max_segment(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
+        max_k = max_segment(cu_seqlens_k) if max_seqlen_k is None else max_seqlen_k
         cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-        max_q = int((cu_q[1:] - cu_q[:-1]).max()) if len(cu_q) > 1 else 0
-        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if len(cu_k) > 1 else 0
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=False)
     bounds_q = cu_seqlens_q.tolist()
     bounds_k = cu_seqlens_k.tolist()
@@ -78,7 +92,14 @@ class PackedAttention:
     """Single-process self-attention over a packed batch: each clip attends only to itself."""
 
     def __init__(self, seq_lens: torch.Tensor | list[int]):
-        self.cu_seqlens = cu_seqlens_from_lengths(seq_lens)
+        self.cu_seqlens = cu_seqlens_from_lengths(seq_lens)  # (b+1,) on the host: the CPU path walks it
+        self.max_len = max_segment(self.cu_seqlens)
+        self._device_cu: torch.Tensor | None = None  # the offsets on flash-attn's device
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return varlen_attention(q, k, v, self.cu_seqlens, self.cu_seqlens)
+        cu = self.cu_seqlens
+        if _use_flash(q):  # every layer calls this object: copy the offsets once, not once per layer
+            if self._device_cu is None or self._device_cu.device != q.device:
+                self._device_cu = cu.to(q.device)
+            cu = self._device_cu
+        return varlen_attention(q, k, v, cu, cu, self.max_len, self.max_len)

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from dit.attention import max_segment
+
 try:  # flash-attn is an optional CUDA extra; the CPU path never needs it.
     from flash_attn import flash_attn_varlen_func
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
@@ -40,10 +42,6 @@ def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for i in range(len(bq) - 1):
         yield bq[i], bq[i + 1], bk[i], bk[i + 1]
-
-
-def _max_len(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
 
 
 def _cpu_flash_available() -> bool:
@@ -69,11 +67,20 @@ def _lhd(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def attention_fwd_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int | None = None,
+    max_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (nq, h, d), k/v (nk, h, d) -> out (nq, h, d) in q's dtype, lse (h, nq) fp32. Scale 1/sqrt(d)."""
+    """q (nq, h, d), k/v (nk, h, d) -> out (nq, h, d) in q's dtype, lse (h, nq) fp32. Scale 1/sqrt(d).
+
+    max_q/max_k: longest segments, for offsets a caller already keeps on the device (see ``_maxima``).
+    """
     if use_flash(q):
-        max_q, max_k = _max_len(cu_q), _max_len(cu_k)  # before the copy: no device sync
+        max_q, max_k = _maxima(cu_q, cu_k, max_q, max_k)
         cu_q = cu_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_k.to(device=q.device, dtype=torch.int32)
         out, lse, _ = flash_attn_varlen_func(
@@ -103,9 +110,14 @@ def attention_fwd_lse(
     return out, lse
 
 
-def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k):
+def _maxima(cu_q, cu_k, max_q, max_k) -> tuple[int, int]:
+    # read from the offsets as given, before any copy: host offsets need no device sync
+    return (max_segment(cu_q) if max_q is None else max_q, max_segment(cu_k) if max_k is None else max_k)
+
+
+def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k):
     """flash-attn's varlen backward; its keyword names moved between releases, so match them by name."""
-    max_q, max_k = _max_len(cu_q), _max_len(cu_k)  # before the copy: no device sync
+    max_q, max_k = _maxima(cu_q, cu_k, max_q, max_k)
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -149,6 +161,8 @@ def attention_bwd_lse(
     lse: torch.Tensor,
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
+    max_q: int | None = None,
+    max_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient of one K/V block's share of an attention whose *final* output and LSE are given.
 
@@ -157,7 +171,7 @@ def attention_bwd_lse(
     Returns dq (nq, h, d), dk/dv (nk, h, d) in q's dtype.
     """
     if use_flash(q):
-        return _flash_bwd(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k)
+        return _flash_bwd(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     scale = 1.0 / math.sqrt(q.shape[-1])
     for qs, qe, ks, ke in _segments(cu_q, cu_k):

@@ -16,13 +16,13 @@ Legend: n_r = tokens of this rank's shard, c = group size, h = heads, d = head d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from dit.attention import cu_seqlens_from_lengths
-from dynamic_cp.kernels import attention_bwd_lse, attention_fwd_lse
+from dynamic_cp.kernels import attention_bwd_lse, attention_fwd_lse, use_flash
 from dynamic_cp.sharding import ShardInfo
 
 _KV_TAG, _DKV_TAG = 1, 2  # distinct tags keep K/V and dK/dV messages apart on gloo
@@ -38,6 +38,8 @@ class Block:
     k_end: int
     cu_q: torch.Tensor  # (s+1,) int32, offsets inside q[q_start:q_end]
     cu_k: torch.Tensor  # (s+1,) int32, offsets inside k[k_start:k_end]
+    max_q: int  # longest segment of cu_q (read on the host, so the kernel need not read it back)
+    max_k: int
 
 
 def block_between(seq_lens: torch.Tensor, q_range: tuple[int, int], k_range: tuple[int, int]) -> Block | None:
@@ -66,6 +68,8 @@ def block_between(seq_lens: torch.Tensor, q_range: tuple[int, int], k_range: tup
         k_end=min(int(clip_end[last]), ke) - ks,
         cu_q=cu_seqlens_from_lengths(len_q[active]),
         cu_k=cu_seqlens_from_lengths(len_k[active]),
+        max_q=int(len_q[active].max()),
+        max_k=int(len_k[active].max()),
     )
 
 
@@ -84,6 +88,21 @@ class _Ring:
         self.blocks = [
             block_between(info.seq_lens, q_range, (info.bounds[j], info.bounds[j + 1])) for j in self.sources
         ]
+        self._device_blocks: list[Block | None] | None = None  # self.blocks on flash-attn's device
+        self._device_blocks_on: torch.device | None = None
+
+    def blocks_for(self, q: torch.Tensor) -> list[Block | None]:
+        """Each step's block, with its offsets on q's device when flash-attn runs: every layer's
+        forward and backward reuse one copy instead of copying 2 offsets per step and layer."""
+        if not use_flash(q):
+            return self.blocks  # the CPU kernels walk host offsets
+        if self._device_blocks_on != q.device:
+            self._device_blocks_on = q.device
+            self._device_blocks = [
+                None if b is None else replace(b, cu_q=b.cu_q.to(q.device), cu_k=b.cu_k.to(q.device))
+                for b in self.blocks
+            ]
+        return self._device_blocks
 
     def shift(self, x: torch.Tensor, shard: int, tag: int) -> tuple[torch.Tensor, list]:
         """Start sending ``x`` (holding ``shard``) to next and receiving shard-1 from prev.
@@ -116,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, n_r, h, d): one message per step instead of two
         out = q.new_zeros(q.shape, dtype=torch.float32)  # (n_r, h, d) running output
         lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)  # (h, n_r)
-        for t, (src, blk) in enumerate(zip(ring.sources, ring.blocks)):
+        for t, (src, blk) in enumerate(zip(ring.sources, ring.blocks_for(q))):
             if t < c - 1:
                 kv_next, reqs = ring.shift(kv, src, _KV_TAG)
             if blk is not None:
@@ -127,6 +146,8 @@ class _RingAttention(torch.autograd.Function):
                     kv[1, blk.k_start : blk.k_end],
                     blk.cu_q,
                     blk.cu_k,
+                    blk.max_q,
+                    blk.max_k,
                 )
                 # online softmax: rescale both partial results to the merged normalizer
                 l_old = lse[:, rows]
@@ -152,14 +173,15 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, n_r, h, d)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # dK/dV of the shard held now, summed so far
-        for t, (src, blk) in enumerate(zip(ring.sources, ring.blocks)):
+        for t, (src, blk) in enumerate(zip(ring.sources, ring.blocks_for(q))):
             if t < c - 1:
                 kv_next, kv_reqs = ring.shift(kv, src, _KV_TAG)
             if blk is not None:
                 rows, cols = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
                 dq_b, dk_b, dv_b = attention_bwd_lse(
-                    dout[rows], q[rows], kv[0, cols], kv[1, cols], out[rows], lse[:, rows], blk.cu_q, blk.cu_k
-                )
+                    dout[rows], q[rows], kv[0, cols], kv[1, cols], out[rows], lse[:, rows],
+                    blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
+                )  # fmt: skip
                 dq[rows] += dq_b.float()
                 dkv[0, cols] += dk_b.float()
                 dkv[1, cols] += dv_b.float()

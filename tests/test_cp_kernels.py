@@ -3,7 +3,9 @@
 The ring's arithmetic without its messages: every query shard meets every key shard through
 ``block_between``, partial outputs merge on the LSE, and per-block backwards with the final output and
 LSE add up to the gradient. On CPU this checks the SDPA kernels in fp32; on CUDA with flash-attn it
-checks the flash-attn path in bf16 against an fp32 reference (skipped elsewhere, never faked).
+checks the flash-attn path in bf16 against an fp32 reference (skipped elsewhere, never faked). Only
+the offsets' bookkeeping (one device copy per attention object, maxima read on the host) is checked
+with a recorder in flash-attn's place, on the meta device.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dit.attention import PackedAttention
+from dit import attention
+from dit.attention import PackedAttention, max_segment
 from dynamic_cp import kernels
 from dynamic_cp.ring import block_between
 from dynamic_cp.sharding import shard_bounds
@@ -88,3 +91,23 @@ def test_cpu_matmul_fallback_merges_exactly(monkeypatch):
 @pytest.mark.parametrize("c", [2, 3, 4])
 def test_flash_lse_kernels_merge_at_bf16_tolerance(seq_lens, c):
     _check("cuda", torch.bfloat16, 2e-2, seq_lens, c, heads=4, head_dim=64, relative=True)
+
+
+def test_flash_offsets_are_copied_once_per_attention_object(monkeypatch):
+    calls = []
+
+    def recorder(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        calls.append((cu_q, cu_k, max_q, max_k))
+        return torch.empty_like(q)
+
+    monkeypatch.setattr(attention, "_use_flash", lambda q: True)
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", recorder)
+    packed = PackedAttention([5, 9, 0, 2])
+    x = torch.empty(16, 2, 4, device="meta")  # stands in for a CUDA tensor: .to() makes a new one
+    for _ in range(3):  # three layers
+        packed(x, x, x)
+    cu = calls[0][0]
+    assert cu.device.type == "meta" and all(c[0] is cu and c[1] is cu for c in calls)
+    assert all(c[2:] == (9, 9) for c in calls)
+    blk = block_between(torch.tensor([5, 9, 0, 2]), (3, 12), (0, 16))
+    assert (blk.max_q, blk.max_k) == (max_segment(blk.cu_q), max_segment(blk.cu_k)) == (7, 9)
