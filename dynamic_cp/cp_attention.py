@@ -77,8 +77,9 @@ def hybrid_attention(
     block-level boundaries are every u-th shard boundary (uneven, possibly empty). This rank is
     member j = rank % u of block b = rank // u, and ring group j links the j-th members of all blocks
     (``groups_layout.hybrid_sub_groups``; ``make_cp_attention`` checks the groups handed in).
-      (n_r, h, d) -all_to_all in block-> (n_b, h/u, d) -ring over blocks-> (n_b, h/u, d)
-      -all_to_all in block-> (n_r, h, d)
+      (n_g, h, d) -all_to_all in block-> (n_b, h/u, d) -ring over blocks-> (n_b, h/u, d)
+      -all_to_all in block-> (n_g, h, d)
+    with n_g this rank's shard and n_b its block's tokens.
     """
     b = info.rank // ulysses
     bounds = info.bounds[::ulysses]  # (r+1,) global offsets of the blocks
