@@ -127,8 +127,13 @@ def test_save_load_round_trip(tmp_path):
         assert torch.equal(a, b), name
     packed, text, text_lens = _inputs([torch.randn(4, 3, 4, 6)], [torch.randn(2, 16)])
     args = (packed.tokens, packed.positions, packed.seq_lens, torch.tensor([250.0]), text, text_lens)
-    assert torch.equal(
-        model(*args, PackedAttention(packed.seq_lens)), loaded(*args, PackedAttention(packed.seq_lens))
+    # Weights are bitwise equal (above), but safetensors may hand back tensors at unaligned
+    # addresses, and CPU GEMMs then take another SIMD path: outputs agree to fp32 rounding only.
+    torch.testing.assert_close(
+        model(*args, PackedAttention(packed.seq_lens)),
+        loaded(*args, PackedAttention(packed.seq_lens)),
+        rtol=0,
+        atol=1e-6,
     )
 
 
