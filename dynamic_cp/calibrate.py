@@ -12,7 +12,9 @@ SDPA at its head count, forward and backward, and fit
 which gives ``gemm_efficiency``/``gemm_half_tokens`` and ``attention_efficiency``/
 ``attention_half_tokens`` against the peak (the base profile's datasheet peak on GPU, the best
 measured rate on CPU). The per-micro-batch overhead is timed as a chain of tiny fwd+bwd kernels, one
-per op a DiT step launches. One device cannot measure links between devices, so bandwidths and
+per op a DiT step launches; the per-clip overhead as what each extra clip adds to the project's own
+varlen attention (one kernel for all clips with flash-attn on CUDA, so about zero there; one SDPA
+call per clip on CPU). One device cannot measure links between devices, so bandwidths and
 latencies come from the base profile (``--base``).
 """
 
@@ -106,6 +108,28 @@ def launch_overhead(layers, device, dtype, repeats) -> float:
     return _time(step, device, repeats)
 
 
+def clip_overhead(d, heads, layers, device, dtype, repeats, clips: int = 33) -> float:
+    """Seconds each extra clip of a packed micro-batch costs beyond its FLOPs (fwd+bwd, all layers):
+    ``varlen_attention`` over ``clips`` four-token clips against one clip of the same tokens."""
+    from dit.attention import cu_seqlens_from_lengths, varlen_attention
+
+    n = 4 * clips
+    q, k, v = (
+        torch.randn(n, heads, d // heads, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
+
+    def step(cu):
+        def run():
+            o = varlen_attention(q, k, v, cu, cu)
+            o.backward(torch.ones_like(o))
+
+        return run
+
+    many = _time(step(cu_seqlens_from_lengths([4] * clips)), device, repeats)
+    one = _time(step(cu_seqlens_from_lengths([n])), device, repeats)
+    return max(many - one, 0.0) / (clips - 1) * layers
+
+
 def device_memory(device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
@@ -134,6 +158,7 @@ def calibrate(base: Hardware, d, ffn, heads, layers, device, quick: bool = False
         attention_efficiency=min(a_best / peak, 1.0),
         attention_half_tokens=a_half,
         micro_batch_overhead_s=launch_overhead(layers, device, dtype, repeats),
+        clip_overhead_s=clip_overhead(d, heads, layers, device, dtype, repeats),
         memory_bytes=device_memory(device),
         gpus_per_node=torch.cuda.device_count() if gpu else base.gpus_per_node,
     )

@@ -11,7 +11,9 @@ per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T t
     comm        Ulysses all-to-alls (8 per layer per step) over u ranks, ring K/V passes over r = c / u
                 ranks hidden behind attention where it can; u = a power of two dividing the head count
                 (the cheapest split is taken); bandwidth drops ~10x once a group spans nodes
-    overhead    a fixed cost per micro-batch (launches, routing, loss bookkeeping)
+    overhead    a fixed cost per micro-batch (launches, routing, loss bookkeeping), plus one per clip
+                (kernel calls that scale with the clip count: zero with flash-attn varlen on GPU, one
+                SDPA call per clip on CPU)
 
 Efficiencies fall for small per-rank work: eff(n) = best * n / (n + half), so packing short clips into
 one micro-batch is cheaper than running them one by one. FLOP constants follow DESIGN.md: linear
@@ -23,7 +25,7 @@ world as with FSDP/ZeRO) plus activations per token; ``token_cap`` is what fits 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -56,6 +58,9 @@ class Hardware:
     gpus_per_node: int
     micro_batch_overhead_s: float  # fixed cost per micro-batch, fwd+bwd
     memory_bytes: float  # HBM per GPU
+    # per clip in a micro-batch, fwd+bwd: calls that scale with the clip count (flash-attn varlen runs
+    # all clips in one kernel, so 0 on GPU; CPU SDPA runs one call per clip). Optional in profiles.
+    clip_overhead_s: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -85,11 +90,12 @@ class Hardware:
             text = res.read_text()
         raw = yaml.safe_load(text)
         names = {f.name for f in fields(cls)}
-        missing = names - set(raw)
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = names - set(raw) - optional
         if missing:
             raise ValueError(f"hardware profile {name_or_path!r} lacks keys {sorted(missing)}")
         # PyYAML reads 989.0e12 (no exponent sign) as a string, hence the float().
-        kw = {k: (raw[k] if k == "name" else float(raw[k])) for k in names}
+        kw = {k: (raw[k] if k == "name" else float(raw[k])) for k in names if k in raw}
         kw["gpus_per_node"] = int(kw["gpus_per_node"])
         return cls(**kw)
 
@@ -304,7 +310,7 @@ class CostModel:
         for (c, x), idx in keys.items():
             idx = np.asarray(idx)
             comm[idx] = self._comm_time(tokens[idx], c, attn[idx], x)
-        out[sel] = self.hw.micro_batch_overhead_s + lin + attn + comm
+        out[sel] = self.hw.micro_batch_overhead_s + self.hw.clip_overhead_s * b + lin + attn + comm
         return out
 
     def sample_times(self, lengths, cp: int, packed_tokens: float) -> np.ndarray:
@@ -322,7 +328,7 @@ class CostModel:
         )
         attn = self._attn_time(L, cp)
         comm = self._comm_time(L, cp, attn, None, latency_share=share)
-        return self.hw.micro_batch_overhead_s * share + lin + attn + comm
+        return self.hw.micro_batch_overhead_s * share + self.hw.clip_overhead_s + lin + attn + comm
 
     def ideal_time(self, lengths) -> np.ndarray:
         """Per-clip seconds at best efficiency, no communication, no overhead: the lower bound's unit."""

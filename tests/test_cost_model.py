@@ -114,6 +114,18 @@ def test_fit_saturating_recovers_curve():
     assert best == pytest.approx(5e12, rel=1e-6) and half == pytest.approx(700, rel=1e-6)
 
 
+def test_per_clip_overhead_is_charged_once_per_clip():
+    import dataclasses
+
+    with_clip = CostModel(CM.dims, dataclasses.replace(CM.hw, clip_overhead_s=0.01), CM.comm)
+    for lengths, cp in (([4096], 1), ([256] * 5, 1), ([30_000, 256, 256], 4)):
+        extra = with_clip.micro_batch_time(lengths, cp) - CM.micro_batch_time(lengths, cp)
+        assert extra == pytest.approx(0.01 * len(lengths))
+    L = np.array([256, 4096, 30_000])
+    np.testing.assert_allclose(with_clip.sample_times(L, 2, 8000) - CM.sample_times(L, 2, 8000), 0.01)
+    assert Hardware.load("h100").clip_overhead_s == 0  # older profiles without the key still load
+
+
 def test_calibrate_writes_a_loadable_profile(tmp_path):
     from dynamic_cp.calibrate import main
 
@@ -124,6 +136,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     )
     hw = Hardware.load(str(out))
     assert hw.peak_flops > 0 and 0 < hw.gemm_efficiency <= 1 and hw.micro_batch_overhead_s > 0
+    assert hw.clip_overhead_s >= 0  # measured from varlen attention (one SDPA call per clip on CPU)
     cm = CostModel.from_dims(64, 2, 256, 2, hardware=str(out))
     assert cm.micro_batch_time([512], 1) > 0
     assert main(["--out", str(out), "--d", "65", "--heads", "2"]) == 2
