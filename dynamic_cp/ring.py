@@ -107,18 +107,18 @@ class _Ring:
     def shift(self, x: torch.Tensor, shard: int, tag: int) -> tuple[torch.Tensor, list]:
         """Start sending ``x`` (holding ``shard``) to next and receiving shard-1 from prev.
 
-        Returns the receive buffer and the requests to wait on. Both ends know the shard sizes, so an
-        empty shard is skipped on both sides without a message.
+        Returns the receive buffer and the requests to wait on. An empty shard still travels, as a
+        zero-size message: with NCCL, the first batched P2P call on a group must involve every rank
+        of it, so no rank may skip one (NCCL >= 2.12.10 and gloo both accept zero-byte messages).
         """
         # K/V or dK/dV: (2, n_shard, h, d) -isend-> next;  prev -irecv-> (2, n_{shard-1}, h, d)
         incoming = (shard - 1) % self.info.num_shards
         recv = x.new_empty(x.shape[0], self.sizes[incoming], *x.shape[2:])
-        ops = []
-        if self.sizes[shard] > 0:
-            ops.append(dist.P2POp(dist.isend, x.contiguous(), self.next, self.group, tag))
-        if self.sizes[incoming] > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
-        return recv, (dist.batch_isend_irecv(ops) if ops else [])
+        ops = [
+            dist.P2POp(dist.isend, x.contiguous(), self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
 
 
 def _wait(reqs: list) -> None:
