@@ -122,6 +122,10 @@ class ParallelConfig:
     cap_tokens: int | None = None  # most tokens one rank may hold; None = train.micro_batch_tokens
     hardware: str = "h100"  # planner hardware profile name or yaml path
     plan_ahead: bool = True  # plan step s+1 in a background thread while step s runs
+    # ZeRO-1: each rank keeps the AdamW moments of its share of the parameters (torch's
+    # ZeroRedundancyOptimizer) and sends its updated share to the others; weights, gradients and the
+    # plan are unchanged, so this saves 8 bytes per parameter x (1 - 1/ranks) for one broadcast a step
+    shard_optimizer: bool = True
 
     def __post_init__(self):
         if self.mode not in ("none", "static", "dynamic"):

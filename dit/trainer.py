@@ -69,12 +69,7 @@ class Trainer:
                 f"the model takes {self.model.config.in_channels} channels but the data gives {channels} "
                 f"(data.vae={cfg.data.vae!r}); change data.vae or use a model with {channels} channels"
             )
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.train.lr,
-            betas=tuple(cfg.train.betas),
-            weight_decay=cfg.train.weight_decay,
-        )
+        self.optimizer = self._build_optimizer()
         warmup = max(cfg.train.warmup_steps, 1)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup)
@@ -85,6 +80,14 @@ class Trainer:
         self._val_clips: list[list[TrainClip]] | None = None
         if resume is not None:
             self._resume(resume)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over every parameter (the distributed runtime may shard its states instead)."""
+        return torch.optim.AdamW(self.model.parameters(), **self.adamw_kwargs())
+
+    def adamw_kwargs(self) -> dict:
+        t = self.cfg.train
+        return {"lr": t.lr, "betas": tuple(t.betas), "weight_decay": t.weight_decay}
 
     # ----------------------------------------------------------------------------- checkpoints
 

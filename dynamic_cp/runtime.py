@@ -11,10 +11,14 @@ One step on every rank (see ``dynamic_cp/iterator.py`` for the data half):
    loss weights (``dit/flow.py``) make the summed gradient the single-process gradient of the global
    batch, so no division by the world size follows;
 4. ``Trainer.finish_step`` (clip, non-finite guard, AdamW, EMA) runs on identical gradients on every
-   rank, so the replicas stay identical without broadcasting weights.
+   rank. With ``parallel.shard_optimizer`` (the default, ZeRO-1) each rank updates only the
+   parameters whose AdamW moments it holds and broadcasts them; otherwise every rank updates all
+   of them, and the replicas stay identical without any broadcast.
 
-Rank 0 alone writes metrics and checkpoints; every rank reads the checkpoint when resuming (a shared
-file system, as on any cluster). The model is replicated on every rank (no FSDP yet).
+Rank 0 alone writes metrics and checkpoints (sharded optimizer states are gathered to it first, in
+the format of a plain AdamW state dict, so checkpoints move between modes and world sizes); every
+rank reads the checkpoint when resuming (a shared file system, as on any cluster). Weights and
+gradients are replicated on every rank (no FSDP yet).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dit.clips import micro_batch_loss
 from dit.config import Config
@@ -92,7 +97,22 @@ class DistributedTrainer(Trainer):
         if self.is_main:
             super().log(record)
 
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        if not self.cfg.parallel.shard_optimizer or self.world_size == 1:
+            return super()._build_optimizer()
+        # Per-parameter broadcasts, not bucket views: views into one buffer share storage, which
+        # safetensors refuses to save.
+        return ZeroRedundancyOptimizer(
+            self.model.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            process_group=self.world,
+            parameters_as_bucket_view=False,
+            **self.adamw_kwargs(),
+        )
+
     def save(self):
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
         # Replicas are identical, so rank 0's state is everyone's.
         return super().save() if self.is_main else None
 

@@ -109,8 +109,13 @@ def _one_step(case: str, out: str) -> dict:
     finally:
         runtime.make_cp_attention = make_cp_attention
     batches.close()
+    local = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeRO-1 wraps this rank's AdamW
+    moments = sum(
+        v.numel() for state in local.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")
+    )
     return {
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "moments": moments,
         "metrics": metrics,
         "lengths": batch.lengths,
         "plan": batch.plan.micro_batches,
@@ -250,6 +255,29 @@ def test_resume_after_kill_gives_same_losses(results):
     whole, resumed = losses("whole"), losses("killed")
     assert sorted(whole) == [1, 2, 3]
     assert resumed == whole  # bitwise: same plan, same data, same reduction order
+
+
+def test_resumed_run_ends_with_the_same_weights_and_moments(results):
+    """Step 3's update uses the AdamW moments restored from the step-2 checkpoint, which ZeRO-1
+    gathered from every rank: the final weights catch any moment that was lost or misplaced."""
+    from safetensors.torch import load_file
+
+    root, _ = results
+    final = {run: root / run / "checkpoints" / "step_000003" for run in ("whole", "killed")}
+    a, b = (load_file(final[run] / "model" / "diffusion_pytorch_model.safetensors") for run in final)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    saved = torch.load(root / "killed" / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)
+    state = saved["optimizer"]["state"]  # a plain AdamW state dict: loads into any mode or world size
+    assert len(state) == len(a) and all({"exp_avg", "exp_avg_sq"} <= set(v) for v in state.values())
+
+
+def test_optimizer_moments_are_sharded_over_the_ranks(results):
+    _, out = results
+    res = [out[r]["dynamic"] for r in range(WORLD)]
+    total = sum(p.numel() for p in res[0]["params"].values())
+    held = [r["moments"] for r in res]
+    assert sum(held) == 2 * total  # exp_avg and exp_avg_sq of every parameter, each on one rank
+    assert max(held) < total  # no rank holds the full set (replicated AdamW would hold 2 x total)
 
 
 def test_step_logs_plan_and_timeline(results):
