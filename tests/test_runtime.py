@@ -111,7 +111,10 @@ def _one_step(case: str, out: str) -> dict:
     batches.close()
     local = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeRO-1 wraps this rank's AdamW
     moments = sum(
-        v.numel() for state in local.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")
+        v.numel()
+        for state in local.state.values()
+        for k, v in state.items()
+        if k in ("exp_avg", "exp_avg_sq")
     )
     return {
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
