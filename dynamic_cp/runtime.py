@@ -77,6 +77,11 @@ class DistributedTrainer(Trainer):
         self.is_main = self.rank == 0
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            # Loading a checkpoint leaves a second, never-read copy of this rank's moments in the
+            # wrapper's own state (the live one is in its inner AdamW); state_dict() rebuilds the
+            # full state from the per-rank gathers, so the copy only costs memory.
+            self.optimizer.state.clear()
         self.cost_model = build_cost_model(cfg, self.model.config)
         # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
         splits = self.cost_model.cp_layout if cfg.parallel.cp_method == "auto" else None
@@ -111,10 +116,16 @@ class DistributedTrainer(Trainer):
         )
 
     def save(self):
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
-        # Replicas are identical, so rank 0's state is everyone's.
-        return super().save() if self.is_main else None
+        if not isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            # Replicas are identical, so rank 0's state is everyone's.
+            return super().save() if self.is_main else None
+        self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
+        try:
+            return super().save() if self.is_main else None
+        finally:
+            # torch keeps the gathered moments of every rank on rank 0 until the next gather
+            # (_all_state_dicts, private): 8 bytes x all parameters of host memory, dropped here.
+            self.optimizer._all_state_dicts = []
 
     # ----------------------------------------------------------------------------- data
 

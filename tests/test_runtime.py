@@ -274,6 +274,19 @@ def test_resumed_run_ends_with_the_same_weights_and_moments(results):
     assert len(state) == len(a) and all({"exp_avg", "exp_avg_sq"} <= set(v) for v in state.values())
 
 
+def test_sharded_checkpoint_resumes_in_one_process(results, tmp_path):
+    """A ZeRO-1 checkpoint is a plain AdamW state dict: single-process training resumes from it."""
+    root, _ = results
+    step_dir = root / "killed" / "checkpoints" / "step_000002"
+    cfg = load_config(CONFIG, overrides(str(tmp_path / "one"), **{"parallel.mode": "none"}))
+    trainer = Trainer(cfg, resume=str(step_dir), device=torch.device("cpu"))
+    saved = torch.load(step_dir / "trainer.pt", weights_only=False)["optimizer"]["state"]
+    live = [trainer.optimizer.state[p] for p in trainer.model.parameters()]
+    assert trainer.step == 2 and len(live) == len(saved)
+    for i, state in enumerate(live):
+        assert torch.equal(state["exp_avg"], saved[i]["exp_avg"])
+
+
 def test_optimizer_moments_are_sharded_over_the_ranks(results):
     _, out = results
     res = [out[r]["dynamic"] for r in range(WORLD)]
