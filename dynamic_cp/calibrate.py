@@ -110,7 +110,8 @@ def launch_overhead(layers, device, dtype, repeats) -> float:
 
 def clip_overhead(d, heads, layers, device, dtype, repeats, clips: int = 33) -> float:
     """Seconds each extra clip of a packed micro-batch costs beyond its FLOPs (fwd+bwd, all layers):
-    ``varlen_attention`` over ``clips`` four-token clips against one clip of the same tokens."""
+    ``varlen_attention`` over ``clips`` four-token clips against one four-token clip. (One clip of
+    the same total would do ``clips`` times the attention work and hide the per-call cost.)"""
     from dit.attention import cu_seqlens_from_lengths, varlen_attention
 
     n = 4 * clips
@@ -118,15 +119,16 @@ def clip_overhead(d, heads, layers, device, dtype, repeats, clips: int = 33) -> 
         torch.randn(n, heads, d // heads, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
     )
 
-    def step(cu):
+    def step(tokens: int):
+        cu = cu_seqlens_from_lengths([4] * (tokens // 4))
+
         def run():
-            o = varlen_attention(q, k, v, cu, cu)
+            o = varlen_attention(q[:tokens], k[:tokens], v[:tokens], cu, cu)
             o.backward(torch.ones_like(o))
 
         return run
 
-    many = _time(step(cu_seqlens_from_lengths([4] * clips)), device, repeats)
-    one = _time(step(cu_seqlens_from_lengths([n])), device, repeats)
+    many, one = _time(step(n), device, repeats), _time(step(4), device, repeats)
     return max(many - one, 0.0) / (clips - 1) * layers
 
 
