@@ -162,9 +162,9 @@ def _place_joint(
     rank-seconds, then the smaller size, then the lower block. Any assignment to aligned blocks is
     hole-free when run in size-descending order (step 3), so ``finish`` stays exact.
 
-    Only clips that are a visible share of the step (``big_share`` of the target) get this search;
-    the many small ones take their cheapest size and go LPT onto the least-loaded blocks afterwards,
-    which keeps the cost at O(big clips x sizes) numpy calls.
+    Only clips that are a visible share of the step (``big_share`` of the target), and at most the
+    2 W with the most work, get this search; the rest take their cheapest size and go LPT onto the
+    least-loaded blocks afterwards, which keeps the cost at O(min(big clips, 2 W) x sizes) numpy calls.
     """
     n, K = table.shape
     size_arr = np.asarray(sizes, dtype=np.float64)
@@ -173,7 +173,10 @@ def _place_joint(
     k = np.argmin(work, axis=1)  # small clips keep their cheapest size
     target = max(float(cheapest.sum()) / world, float(table.min(axis=1).max()))
     big = np.flatnonzero(table[np.arange(n), k] > big_share * target)
-    order = big[np.lexsort((big, -cheapest[big]))]  # most work first, then id: deterministic
+    # most work first, then id: deterministic; at most 2 W of them, since with many equal clips
+    # (all "big") LPT placement at the cheapest size is already what this search would find
+    order = big[np.lexsort((big, -cheapest[big]))][: 2 * world]
+    big = order
     remaining = float(cheapest.sum())
     placed_work = 0.0
     pl = _Placement(world, sizes)

@@ -148,3 +148,40 @@ def test_groups_for_a_subset_of_sizes_and_per_rank_count():
         assert len(mine) == 7 and all(rank in g for g in mine)  # log2(64) + 1 groups per rank
     p = plan([5_000] * 6 + [60_000], 8, 20_000, CM, cp_sizes=[2, 8])
     assert {len(r) for r, _ in p.micro_batches} <= {2, 8}
+
+
+def _table(lengths, world, cap):
+    from dynamic_cp.planner import min_cp_index
+
+    L = np.asarray(lengths)
+    sizes = default_cp_sizes(world)
+    kmin = min_cp_index(L, cap, sizes)
+    table = np.full((L.size, len(sizes)), np.inf)
+    for j, c in enumerate(sizes):
+        fits = kmin <= j
+        table[fits, j] = CM.sample_times(L[fits], c, min(cap, L.sum() / world))
+    return table, sizes
+
+
+def test_joint_placement_is_consistent_and_beats_sizes_fixed_first():
+    """_place_joint's blocks, sizes and per-rank finish agree, and on a batch where one mid-size clip
+    queues behind a big one under every fixed-size choice, choosing size and block together wins."""
+    from dynamic_cp.planner import DEFAULT_THETAS, _choose_sizes, _place_all, _place_joint
+
+    lengths, world, cap = workload("opensora", 32, seed=0), 32, 26_907
+    table, sizes = _table(lengths, world, cap)
+    pl, k = _place_joint(table, world, sizes)
+    placed = sorted(i for ids in pl.blocks.values() for i in ids)
+    assert placed == list(range(len(lengths)))  # every clip exactly once
+    finish = np.zeros(world)
+    for (c, start), ids in pl.blocks.items():
+        assert start % c == 0 and all(sizes[k[i]] == c for i in ids)  # aligned, and k says the size
+        finish[start : start + c] += table[ids, sizes.index(c)].sum()
+    np.testing.assert_allclose(pl.finish, finish)
+    fixed_first = min(
+        _place_all(
+            len(lengths), _choose_sizes(table, np.asarray(sizes), world, th), table, world, sizes
+        ).makespan()
+        for th in DEFAULT_THETAS
+    )
+    assert pl.makespan() < 0.9 * fixed_first  # 0.58 s against 0.78 s (additive estimates) when written
