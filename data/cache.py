@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-length", type=int, default=512, help="longest caption in tokens")
     # The built-in hashed encoder is defined by its width and seed: they must be the model's
     # text_dim and the run's data.seed, or the cached captions differ from what training encodes.
-    ap.add_argument("--text-dim", type=int, default=64, help="hashed encoder only: the model's text_dim")
-    ap.add_argument("--text-seed", type=int, default=0, help="hashed encoder only: the run's data.seed")
+    ap.add_argument("--text-dim", type=int, help="hashed encoder only: the model's text_dim (default 64)")
+    ap.add_argument("--text-seed", type=int, help="hashed encoder only: the run's data.seed (default 0)")
     ap.add_argument("--shard-size", type=int, default=256, help="samples per safetensors shard")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -148,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--option", action="append", default=[], help="any clip-policy option, key=value")
     args = ap.parse_args(argv)
-    if args.text_encoder != "hashed" and (args.text_dim != 64 or args.text_seed != 0):
+    if args.text_encoder != "hashed" and (args.text_dim is not None or args.text_seed is not None):
         ap.error("--text-dim and --text-seed apply to --text-encoder hashed only")
 
     vae = load_vae(args.vae, args.vae_path, device=args.device)
     text = load_text_encoder(
         args.text_encoder, args.text_path, args.max_length, device=args.device,
-        hashed_dim=args.text_dim, seed=args.text_seed,
+        hashed_dim=64 if args.text_dim is None else args.text_dim,
+        seed=0 if args.text_seed is None else args.text_seed,
     )  # fmt: skip
     options = {k: getattr(args, k) for k in ("fps", "max_frames", "resolution", "max_tokens")}
     options = {k: v for k, v in options.items() if v is not None}

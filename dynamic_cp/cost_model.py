@@ -9,7 +9,7 @@ per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T t
     text k/v    3 * layers * 4 T d^2 * b                     / (peak * eff_gemm(T b))  every rank needs it
     attention   3.5 * layers * 4 d (L_i^2 + L_i T) / c       / (peak * eff_attn(L_i / c))   per clip, summed
     comm        Ulysses all-to-alls (8 per layer per step) over u ranks, ring K/V passes over r = c / u
-                ranks hidden behind attention where it can; u = a power of two dividing the head count
+                ranks hidden behind attention where it can; u dividing both c and the head count
                 (the cheapest split is taken); bandwidth drops ~10x once a group spans nodes
     overhead    a fixed cost per micro-batch (launches, routing, loss bookkeeping), plus one per clip
                 (kernel calls that scale with the clip count: zero with flash-attn varlen on GPU, one
