@@ -137,13 +137,19 @@ class _Placement:
 
 def _place_all(n: int, k: np.ndarray, table: np.ndarray, world: int, sizes: tuple[int, ...]) -> _Placement:
     """Step 3 for one size choice ``k``: biggest sizes first, LPT within each size."""
-    t = table[np.arange(n), k]
     pl = _Placement(world, sizes)
-    for j in range(len(sizes) - 1, -1, -1):
-        ids = np.flatnonzero(k == j)
-        if ids.size:
-            pl.place(sizes[j], ids, t)
+    _place_lpt(pl, np.ones(n, dtype=bool), k, table)
     return pl
+
+
+def _place_lpt(pl: _Placement, which: np.ndarray, k: np.ndarray, table: np.ndarray) -> None:
+    """Add the clips selected by the mask ``which`` to ``pl`` at sizes ``k``: biggest size first,
+    LPT within a size onto the blocks that finish earliest."""
+    t = table[np.arange(len(k)), k]
+    for j in range(len(pl.sizes) - 1, -1, -1):
+        ids = np.flatnonzero(which & (k == j))
+        if ids.size:
+            pl.place(pl.sizes[j], ids, t)
 
 
 def _place_joint(
@@ -175,12 +181,11 @@ def _place_joint(
     big = np.flatnonzero(table[np.arange(n), k] > big_share * target)
     # most work first, then id: deterministic; at most 2 W of them, since with many equal clips
     # (all "big") LPT placement at the cheapest size is already what this search would find
-    order = big[np.lexsort((big, -cheapest[big]))][: 2 * world]
-    big = order
+    big = big[np.lexsort((big, -cheapest[big]))][: 2 * world]
     remaining = float(cheapest.sum())
     placed_work = 0.0
     pl = _Placement(world, sizes)
-    for i in order.tolist():
+    for i in big.tolist():
         remaining -= cheapest[i]
         best = None  # (estimate, rank-seconds, j, start)
         for j, c in enumerate(sizes):
@@ -202,11 +207,7 @@ def _place_joint(
         pl.finish[s : s + sizes[j]] += table[i, j]
     small = np.ones(n, dtype=bool)
     small[big] = False
-    t = table[np.arange(n), k]
-    for j in range(len(sizes) - 1, -1, -1):
-        ids = np.flatnonzero(small & (k == j))
-        if ids.size:
-            pl.place(sizes[j], ids, t)
+    _place_lpt(pl, small, k, table)
     return pl, k
 
 

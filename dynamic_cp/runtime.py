@@ -116,16 +116,17 @@ class DistributedTrainer(Trainer):
         )
 
     def save(self):
-        if not isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            # Replicas are identical, so rank 0's state is everyone's.
-            return super().save() if self.is_main else None
-        self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
+        sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        if sharded:
+            self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
         try:
+            # Replicas are identical (and the moments gathered), so rank 0's state is everyone's.
             return super().save() if self.is_main else None
         finally:
-            # torch keeps the gathered moments of every rank on rank 0 until the next gather
-            # (_all_state_dicts, private): 8 bytes x all parameters of host memory, dropped here.
-            self.optimizer._all_state_dicts = []
+            if sharded:
+                # torch keeps the gathered moments of every rank on rank 0 until the next gather
+                # (_all_state_dicts, private): 8 bytes x all parameters of host memory, dropped here.
+                self.optimizer._all_state_dicts = []
 
     # ----------------------------------------------------------------------------- data
 
