@@ -27,10 +27,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dit.attention import PackedAttention  # noqa: E402
-from dynamic_cp.cp_attention import make_cp_attention  # noqa: E402
-from dynamic_cp.ring import _DKV_TAG, _KV_TAG, RingAttention  # noqa: E402
-from dynamic_cp.testing import run_gloo  # noqa: E402
-from dynamic_cp.ulysses import _heads_to_tokens, _tokens_to_heads  # noqa: E402
+from dynamic_cp.attention.cp_attention import make_cp_attention  # noqa: E402
+from dynamic_cp.attention.ring import _DKV_TAG, _KV_TAG, RingAttention  # noqa: E402
+from dynamic_cp.attention.ulysses import _heads_to_tokens, _tokens_to_heads  # noqa: E402
+from dynamic_cp.runtime.testing import run_gloo  # noqa: E402
 
 
 def _timed(fn, repeats: int, group) -> float:

@@ -4,7 +4,7 @@
     python bench/bench_planner.py scaling            # solver ms, 100..10,000 clips x 8..1,024 ranks
     python bench/bench_planner.py quality --samples-per-gpu 1 --seeds 0 1 2
 
-Every plan is scored by the same cost model and simulator (dynamic_cp.compare). Timings are wall
+Every plan is scored by the same cost model and simulator (dynamic_cp.planning.compare). Timings are wall
 clock (quality) and process CPU time (scaling) on this machine. Benchmarks print; they never assert.
 """
 
@@ -14,10 +14,10 @@ import argparse
 import statistics
 import time
 
-from dynamic_cp.compare import compare
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.planner import plan
-from dynamic_cp.workloads import LONG_TAILED, WORKLOADS, workload
+from dynamic_cp.planning.compare import compare
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.planner import plan
+from dynamic_cp.planning.workloads import LONG_TAILED, WORKLOADS, workload
 
 
 def quality(args) -> None:

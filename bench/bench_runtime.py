@@ -46,11 +46,11 @@ from data.types import ClipMeta  # noqa: E402
 from dit.clips import TrainClip, micro_batch_loss  # noqa: E402
 from dit.config import load_config  # noqa: E402
 from dit.packing import grid_positions  # noqa: E402
-from dynamic_cp.cost_model import CostModel, Hardware  # noqa: E402
-from dynamic_cp.cp_attention import make_cp_attention  # noqa: E402
-from dynamic_cp.runtime import DistributedTrainer  # noqa: E402
-from dynamic_cp.step_plans import build_cost_model  # noqa: E402
-from dynamic_cp.testing import run_gloo  # noqa: E402
+from dynamic_cp.attention.cp_attention import make_cp_attention  # noqa: E402
+from dynamic_cp.planning.cost_model import CostModel, Hardware  # noqa: E402
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer  # noqa: E402
+from dynamic_cp.runtime.step_plans import build_cost_model  # noqa: E402
+from dynamic_cp.runtime.testing import run_gloo  # noqa: E402
 
 WORLD = 2
 CAP = 300

@@ -19,14 +19,11 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from data.cache_dataset import EMPTY_TEXT, FORMAT, INDEX, VERSION
 from data.clip_policy import parse_options
 from data.readers import VideoReadError
 from data.tokens import latent_shape
 
-FORMAT = "dcp-latent-cache"
-VERSION = 1
-INDEX = "index.json"
-EMPTY_TEXT = "empty_text.safetensors"  # the text encoder's output for ""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

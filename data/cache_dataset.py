@@ -13,9 +13,14 @@ import os
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
-from data.cache import EMPTY_TEXT, FORMAT, INDEX
 from data.failures import FailureLog
 from data.types import ClipMeta
+
+# The cache format is the reader's: the writer (data.cache) imports these, never the other way.
+FORMAT = "dcp-latent-cache"
+VERSION = 1
+INDEX = "index.json"
+EMPTY_TEXT = "empty_text.safetensors"  # the text encoder's output for ""
 
 
 def is_cache(path: str) -> bool:

@@ -1,5 +1,5 @@
 """Model FLOPs (forward, 2 per multiply-add), shared by the logs' TFLOP/s and MFU and by the planner's
-cost model (dynamic_cp/cost_model.py), so the two count the same work.
+cost model (dynamic_cp/planning/cost_model.py), so the two count the same work.
 
 Per layer: 12 D^2 + 4 D F per token (self-attention q/k/v/o, cross-attention q/o, FFN); 4 n^2 D for the
 bidirectional self-attention of a clip of n tokens (no causal halving); 4 T D^2 per clip for the

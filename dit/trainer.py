@@ -1,6 +1,6 @@
 """Single-process training loop: data, micro-batches by token budget, AdamW, EMA, logs, checkpoints.
 
-The multi-process Dynamic-CP runtime (``dynamic_cp/runtime.py``) reuses the pieces here and replaces
+The multi-process Dynamic-CP runtime (``dynamic_cp/runtime/distributed_trainer.py``) reuses the pieces here and replaces
 only how a step's clips are split into micro-batches and which attention each micro-batch runs with.
 """
 

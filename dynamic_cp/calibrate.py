@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynamic_cp.cost_model import ATTN_TRAIN, Hardware
+from dynamic_cp.planning.cost_model import ATTN_TRAIN, Hardware
 
 OPS_PER_LAYER = 40  # kernels a DiT block launches per fwd+bwd, order of magnitude
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynamic_cp.compare import METHODS, compare, format_rows
-from dynamic_cp.cost_model import MODELS, CostModel, builtin_profiles
-from dynamic_cp.simulator import gantt, simulate
-from dynamic_cp.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
+from dynamic_cp.planning.compare import METHODS, compare, format_rows
+from dynamic_cp.planning.cost_model import MODELS, CostModel, builtin_profiles
+from dynamic_cp.planning.simulator import gantt, simulate
+from dynamic_cp.planning.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
 
 
 def build_parser() -> argparse.ArgumentParser:

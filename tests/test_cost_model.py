@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynamic_cp.cost_model import MODELS, CostModel, Hardware, builtin_profiles
+from dynamic_cp.planning.cost_model import MODELS, CostModel, Hardware, builtin_profiles
 
 CM = CostModel.from_dims(d=1536, layers=30, ffn=8960, heads=12, text_tokens=512, hardware="h100")
 

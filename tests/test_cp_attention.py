@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from dit.attention import PackedAttention
-from dynamic_cp.cp_attention import check_layout, choose_layout, make_cp_attention
-from dynamic_cp.groups import build_cp_groups
-from dynamic_cp.sharding import gather_shards
-from dynamic_cp.testing import run_gloo_cases
+from dynamic_cp.attention.cp_attention import check_layout, choose_layout, make_cp_attention
+from dynamic_cp.attention.sharding import gather_shards
+from dynamic_cp.runtime.groups import build_cp_groups
+from dynamic_cp.runtime.testing import run_gloo_cases
 
 WORLD = 6
 GROUPS = {"g01": [0, 1], "g23": [2, 3], "g123": [1, 2, 3], "g0123": [0, 1, 2, 3], "g012345": list(range(6))}

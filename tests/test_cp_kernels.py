@@ -15,9 +15,9 @@ import torch
 
 from dit import attention
 from dit.attention import PackedAttention, max_segment
-from dynamic_cp import kernels
-from dynamic_cp.ring import block_between
-from dynamic_cp.sharding import shard_bounds
+from dynamic_cp.attention import kernels
+from dynamic_cp.attention.ring import block_between
+from dynamic_cp.attention.sharding import shard_bounds
 
 PACKINGS = [[37], [5, 3, 7, 4, 6, 2, 5, 3], [1, 2, 17, 0, 1, 9, 3]]
 HAS_FLASH = torch.cuda.is_available() and kernels.flash_attn_varlen_func is not None

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from dit.attention import PackedAttention, cu_seqlens_from_lengths
 from dit.model import DiTBlock, RotaryEmbedding3D, VideoDiT
 from dit.packing import pack
-from dynamic_cp.cp_attention import make_cp_attention
-from dynamic_cp.groups import build_cp_groups
-from dynamic_cp.testing import run_gloo_cases
+from dynamic_cp.attention.cp_attention import make_cp_attention
+from dynamic_cp.runtime.groups import build_cp_groups
+from dynamic_cp.runtime.testing import run_gloo_cases
 
 WORLD = 4
 GROUPS = {"g12": [1, 2], "g012": [0, 1, 2], "g0123": [0, 1, 2, 3]}

@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import allowed_groups, hybrid_groups, hybrid_sub_groups
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import allowed_groups, hybrid_groups, hybrid_sub_groups
 
 CM = CostModel.from_dims(d=1536, layers=30, ffn=8960, heads=12, text_tokens=512, hardware="h100")
 

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamic_cp.baselines import static_plan
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import allowed_groups, default_cp_sizes
-from dynamic_cp.plan_types import plan_violations
-from dynamic_cp.planner import plan
-from dynamic_cp.simulator import lower_bound, simulate
-from dynamic_cp.workloads import workload
+from dynamic_cp.planning.baselines import static_plan
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import allowed_groups, default_cp_sizes
+from dynamic_cp.planning.plan_types import plan_violations
+from dynamic_cp.planning.planner import plan
+from dynamic_cp.planning.simulator import lower_bound, simulate
+from dynamic_cp.planning.workloads import workload
 
 CM = CostModel.from_name("wan-1.3b", "h100")
 
@@ -140,7 +140,7 @@ def test_groups_are_laminar_blocks():
 
 
 def test_groups_for_a_subset_of_sizes_and_per_rank_count():
-    from dynamic_cp.groups_layout import groups_of_rank
+    from dynamic_cp.planning.groups_layout import groups_of_rank
 
     assert allowed_groups(8, [2, 8]) == [(0, 1), (2, 3), (4, 5), (6, 7), tuple(range(8))]
     for rank in (0, 5, 63):
@@ -151,7 +151,7 @@ def test_groups_for_a_subset_of_sizes_and_per_rank_count():
 
 
 def _table(lengths, world, cap):
-    from dynamic_cp.planner import min_cp_index
+    from dynamic_cp.planning.planner import min_cp_index
 
     L = np.asarray(lengths)
     sizes = default_cp_sizes(world)
@@ -166,7 +166,7 @@ def _table(lengths, world, cap):
 def test_joint_placement_is_consistent_and_beats_sizes_fixed_first():
     """_place_joint's blocks, sizes and per-rank finish agree, and on a batch where one mid-size clip
     queues behind a big one under every fixed-size choice, choosing size and block together wins."""
-    from dynamic_cp.planner import DEFAULT_THETAS, _choose_sizes, _place_all, _place_joint
+    from dynamic_cp.planning.planner import DEFAULT_THETAS, _choose_sizes, _place_all, _place_joint
 
     lengths, world, cap = workload("opensora", 32, seed=0), 32, 26_907
     table, sizes = _table(lengths, world, cap)

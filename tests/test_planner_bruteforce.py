@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import allowed_groups
-from dynamic_cp.planner import plan
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import allowed_groups
+from dynamic_cp.planning.planner import plan
 
 CM = CostModel.from_name("wan-1.3b", "h100")
 

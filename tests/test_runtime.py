@@ -29,10 +29,10 @@ import torch.distributed as dist
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
-from dynamic_cp import runtime
-from dynamic_cp.cost_model import Hardware
-from dynamic_cp.runtime import DistributedTrainer, train_distributed
-from dynamic_cp.testing import run_gloo
+from dynamic_cp.planning.cost_model import Hardware
+from dynamic_cp.runtime import distributed_trainer
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer, train_distributed
+from dynamic_cp.runtime.testing import run_gloo
 
 WORLD = 4
 CAP = 96  # tokens per rank; a 5-frame 32x16 clip has 5 * 8 * 4 = 160 tokens, so it needs CP >= 2
@@ -102,12 +102,12 @@ def _one_step(case: str, out: str) -> dict:
         built.append((kwargs["layout"], type(attention).__name__, type(inner).__name__))
         return attention, shard
 
-    make_cp_attention = runtime.make_cp_attention
-    runtime.make_cp_attention = recording
+    make_cp_attention = distributed_trainer.make_cp_attention
+    distributed_trainer.make_cp_attention = recording
     try:
         metrics = trainer.train_step(batch)
     finally:
-        runtime.make_cp_attention = make_cp_attention
+        distributed_trainer.make_cp_attention = make_cp_attention
     batches.close()
     local = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeRO-1 wraps this rank's AdamW
     moments = sum(

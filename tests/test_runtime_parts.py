@@ -10,10 +10,10 @@ import torch
 from dit.clips import TrainClip
 from dit.config import load_config
 from dit.packing import grid_positions
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.routing import _flatten, _header, _unflatten, destinations, owner_of, share_of
-from dynamic_cp.step_plans import cp_sizes_of
-from dynamic_cp.step_stats import StepTimeline
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.runtime.routing import _flatten, _header, _unflatten, destinations, owner_of, share_of
+from dynamic_cp.runtime.step_plans import cp_sizes_of
+from dynamic_cp.runtime.step_stats import StepTimeline
 
 
 def test_shares_cover_the_batch_once_even_when_ranks_outnumber_clips():
@@ -76,7 +76,7 @@ def test_static_cp_size_must_divide_the_world():
 
 
 def test_run_distributed_outside_torchrun_says_how_to_launch(monkeypatch):
-    from dynamic_cp.runtime import run_distributed
+    from dynamic_cp.runtime.distributed_trainer import run_distributed
 
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -88,7 +88,7 @@ def test_run_distributed_outside_torchrun_says_how_to_launch(monkeypatch):
 def test_failure_share_is_checked_over_the_world():
     """Each rank sees 1/W of the load failures; the share is judged on the all-reduced count."""
     from data.failures import FailureLog, TooManyFailures
-    from dynamic_cp.runtime import check_world_failures
+    from dynamic_cp.runtime.distributed_trainer import check_world_failures
 
     log = FailureLog(total=100, max_failure_share=0.05)
     log.fail("a.mp4", "truncated")  # this rank: 1% alone

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamic_cp.ring import block_between
-from dynamic_cp.sharding import local_seq_lens, make_shard_info, shard_all, shard_bounds
+from dynamic_cp.attention.ring import block_between
+from dynamic_cp.attention.sharding import local_seq_lens, make_shard_info, shard_all, shard_bounds
 
 seq_lens_st = st.lists(st.integers(0, 40), min_size=1, max_size=8)
 shards_st = st.integers(1, 9)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from dynamic_cp import simulate as cli
-from dynamic_cp.baselines import static_plan
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.megatron_baseline import megatron_plan
-from dynamic_cp.plan_types import Plan, plan_violations
-from dynamic_cp.simulator import gantt, lower_bound, simulate
-from dynamic_cp.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
+from dynamic_cp.planning.baselines import static_plan
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.megatron_baseline import megatron_plan
+from dynamic_cp.planning.plan_types import Plan, plan_violations
+from dynamic_cp.planning.simulator import gantt, lower_bound, simulate
+from dynamic_cp.planning.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
 
 CM = CostModel.from_name("wan-1.3b", "h100")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "wikipedia_lengths.txt"
@@ -134,7 +134,7 @@ def test_wikipedia_trace(capsys):
 
 def test_gantt_png(tmp_path):
     lengths = workload("openvid", 32, seed=1)
-    from dynamic_cp.planner import plan
+    from dynamic_cp.planning.planner import plan
 
     p = plan(lengths, 8, 27_000, CM)
     path = tmp_path / "g.png"

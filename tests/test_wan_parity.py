@@ -35,9 +35,9 @@ from dit.wan_import import (
     main,
     videodit_config,
 )
-from dynamic_cp.cp_attention import make_cp_attention
-from dynamic_cp.sharding import gather_shards
-from dynamic_cp.testing import run_gloo
+from dynamic_cp.attention.cp_attention import make_cp_attention
+from dynamic_cp.attention.sharding import gather_shards
+from dynamic_cp.runtime.testing import run_gloo
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -48,10 +48,10 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import check_world_size, normalize_cp_sizes
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.simulator import simulate
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import check_world_size, normalize_cp_sizes
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.simulator import simulate
 
 DEFAULT_THETAS = (float("inf"), 1.0, 0.6, 0.35, 0.2)
 

@@ -7,7 +7,7 @@ Shard sizes may differ (by one token, or be empty), so the all-to-alls use unequ
 
 Plain Ulysses: the group is the whole CP group, its shards cover the micro-batch, and the inner
 attention is block-diagonal varlen attention with the global clip lengths (``PackedAttention``).
-2-D (Ulysses x ring, ``dynamic_cp/cp_attention.py``): the group is one Ulysses block of a CP group,
+2-D (Ulysses x ring, ``dynamic_cp/attention/cp_attention.py``): the group is one Ulysses block of a CP group,
 its shards cover the block's token range, and the inner attention is ring attention over the blocks.
 
 Legend: n = tokens of the group's shards together, n_r = tokens of shard r, c = group size,

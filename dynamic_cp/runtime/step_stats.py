@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dynamic_cp.plan_types import Plan
+from dynamic_cp.planning.plan_types import Plan
 
 
 class StepTimeline:

@@ -1,6 +1,6 @@
 """Torch process groups for every CP group the planner may use, built once at start-up.
 
-The planner names groups as tuples of global ranks (``dynamic_cp.groups_layout.allowed_groups``:
+The planner names groups as tuples of global ranks (``dynamic_cp.planning.groups_layout.allowed_groups``:
 aligned contiguous blocks of each allowed CP size, plus the whole world). ``build_cp_groups`` turns
 that pure list into a ``CPGroups`` object that the runtime passes around explicitly; nothing here is
 module-level state.
@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from dynamic_cp.groups_layout import allowed_groups, hybrid_groups, hybrid_sub_groups, normalize_cp_sizes
+from dynamic_cp.planning.groups_layout import (
+    allowed_groups,
+    hybrid_groups,
+    hybrid_sub_groups,
+    normalize_cp_sizes,
+)
 
 
 class CPGroups:
@@ -50,7 +55,7 @@ class CPGroups:
         if ranks not in self._groups:
             raise ValueError(
                 f"no process group was built for ranks {ranks}; the plan may only use groups from "
-                f"dynamic_cp.groups_layout.allowed_groups({self.world_size}, {list(self.cp_sizes)})"
+                f"dynamic_cp.planning.groups_layout.allowed_groups({self.world_size}, {list(self.cp_sizes)})"
             )
         return self._groups[ranks]
 

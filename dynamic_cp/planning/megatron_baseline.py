@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 import warnings
 
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.planner import check_lengths
-from dynamic_cp.simulator import simulate
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.planner import check_lengths
+from dynamic_cp.planning.simulator import simulate
 
 
 class _FakeGroup:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import normalize_cp_sizes
-from dynamic_cp.plan_types import Plan
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import normalize_cp_sizes
+from dynamic_cp.planning.plan_types import Plan
 
 
 @dataclass

@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from dit.batching import GlobalBatchSampler
 from dit.clips import TrainClip
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.routing import destinations, route_clips, share_of
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.runtime.routing import destinations, route_clips, share_of
 
 
 @dataclass

@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from dit.attention import AttentionFn, PackedAttention
 from dit.packing import local_seq_lens
-from dynamic_cp.groups_layout import hybrid_sub_groups
-from dynamic_cp.ring import RingAttention
-from dynamic_cp.sharding import ShardInfo, make_shard_info
-from dynamic_cp.ulysses import UlyssesAttention, check_heads
+from dynamic_cp.attention.ring import RingAttention
+from dynamic_cp.attention.sharding import ShardInfo, make_shard_info
+from dynamic_cp.attention.ulysses import UlyssesAttention, check_heads
+from dynamic_cp.planning.groups_layout import hybrid_sub_groups
 
 METHODS = ("auto", "ulysses", "ring")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dit.config import Config
-from dynamic_cp.baselines import static_plan
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import default_cp_sizes, normalize_cp_sizes
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.planner import plan as dynamic_plan
+from dynamic_cp.planning.baselines import static_plan
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import default_cp_sizes, normalize_cp_sizes
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.planner import plan as dynamic_plan
 
 # The built-in hashed text encoder keeps at most this many words; real encoders pad or cut captions
 # to data.text_max_length tokens.
@@ -62,6 +62,6 @@ def make_plan_fn(cfg: Config, cost_model: CostModel, world_size: int) -> Callabl
         return lambda lengths: dynamic_plan(lengths, world_size, cap, cost_model, cp_sizes=sizes)
     if cfg.parallel.mode == "static":
         # Round-robin over the W/c groups, first-fit packing up to cap * c tokens: static CP as a
-        # plain sharded loader does it (dynamic_cp.baselines).
+        # plain sharded loader does it (dynamic_cp.planning.baselines).
         return lambda lengths: static_plan(lengths, world_size, cap, cost_model, cp_sizes=sizes)
     raise ValueError(f"parallel.mode={cfg.parallel.mode!r} runs in one process; use 'static' or 'dynamic'")

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 train.py --config configs/tiny.yaml parallel.mode=dynamic
 
-One step on every rank (see ``dynamic_cp/iterator.py`` for the data half):
+One step on every rank (see ``dynamic_cp/runtime/iterator.py`` for the data half):
 1. ``DynamicCPBatches`` gathers lengths, plans, loads this rank's share and routes clips, giving the
    rank its micro-batches in plan order;
 2. each micro-batch runs forward and backward with its group's CP attention on this rank's token
@@ -35,11 +35,11 @@ from dit.clips import micro_batch_loss
 from dit.config import Config
 from dit.setup import clip_tokens, vae_stride
 from dit.trainer import Trainer
-from dynamic_cp.cp_attention import make_cp_attention
-from dynamic_cp.groups import build_cp_groups
-from dynamic_cp.iterator import DynamicCPBatches, StepBatch
-from dynamic_cp.step_plans import build_cost_model, cp_sizes_of, make_plan_fn
-from dynamic_cp.step_stats import StepTimeline
+from dynamic_cp.attention.cp_attention import make_cp_attention
+from dynamic_cp.runtime.groups import build_cp_groups
+from dynamic_cp.runtime.iterator import DynamicCPBatches, StepBatch
+from dynamic_cp.runtime.step_plans import build_cost_model, cp_sizes_of, make_plan_fn
+from dynamic_cp.runtime.step_stats import StepTimeline
 
 
 def check_world_failures(failures, failed_in_world: int) -> None:

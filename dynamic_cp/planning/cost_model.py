@@ -43,7 +43,7 @@ BYTES_BF16 = 2
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU type and its interconnect; loaded from dynamic_cp/profiles/<name>.yaml or any path."""
+    """One GPU type and its interconnect; loaded from dynamic_cp/planning/profiles/<name>.yaml or any path."""
 
     name: str
     peak_flops: float  # dense bf16 FLOP/s
@@ -81,7 +81,7 @@ class Hardware:
         if path.suffix in (".yaml", ".yml") or path.exists():
             text = path.read_text()
         else:
-            res = resources.files("dynamic_cp") / "profiles" / f"{name_or_path}.yaml"
+            res = resources.files("dynamic_cp.planning") / "profiles" / f"{name_or_path}.yaml"
             if not res.is_file():
                 raise ValueError(
                     f"unknown hardware profile {name_or_path!r}; use one of {builtin_profiles()} "
@@ -108,7 +108,7 @@ class Hardware:
 
 
 def builtin_profiles() -> list[str]:
-    folder = resources.files("dynamic_cp") / "profiles"
+    folder = resources.files("dynamic_cp.planning") / "profiles"
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 

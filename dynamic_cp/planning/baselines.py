@@ -14,11 +14,11 @@ from __future__ import annotations
 import heapq
 import time
 
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import blocks_of_size, normalize_cp_sizes
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.planner import check_lengths, min_cp_index
-from dynamic_cp.simulator import simulate
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import blocks_of_size, normalize_cp_sizes
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.planner import check_lengths, min_cp_index
+from dynamic_cp.planning.simulator import simulate
 
 
 def _first_fit(ids, L, capacity):

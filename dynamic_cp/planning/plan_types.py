@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynamic_cp.groups_layout import allowed_groups
+from dynamic_cp.planning.groups_layout import allowed_groups
 
 MicroBatch = tuple[tuple[int, ...], list[int]]
 

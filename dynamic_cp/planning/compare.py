@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynamic_cp.baselines import static_plan
-from dynamic_cp.cost_model import CostModel
-from dynamic_cp.groups_layout import normalize_cp_sizes
-from dynamic_cp.megatron_baseline import megatron_plan
-from dynamic_cp.plan_types import Plan
-from dynamic_cp.planner import check_lengths, min_cp_index, plan
-from dynamic_cp.simulator import lower_bound, simulate
+from dynamic_cp.planning.baselines import static_plan
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import normalize_cp_sizes
+from dynamic_cp.planning.megatron_baseline import megatron_plan
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.planner import check_lengths, min_cp_index, plan
+from dynamic_cp.planning.simulator import lower_bound, simulate
 
 METHODS = ("static", "static-balanced", "megatron", "dynamic-cp")
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from dit.attention import cu_seqlens_from_lengths
-from dynamic_cp.kernels import attention_bwd_lse, attention_fwd_lse, use_flash
-from dynamic_cp.sharding import ShardInfo
+from dynamic_cp.attention.kernels import attention_bwd_lse, attention_fwd_lse, use_flash
+from dynamic_cp.attention.sharding import ShardInfo
 
 _KV_TAG, _DKV_TAG = 1, 2  # distinct tags keep K/V and dK/dV messages apart on gloo
 
