@@ -30,6 +30,7 @@ from dit.config import Config, to_dict
 from dit.ema import EMA
 from dit.flops import train_step_flops
 from dit.model import VideoDiT
+from dit.optim import build_lr_schedule, build_optimizer
 from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
 
 
@@ -70,10 +71,7 @@ class Trainer:
                 f"(data.vae={cfg.data.vae!r}); change data.vae or use a model with {channels} channels"
             )
         self.optimizer = self._build_optimizer()
-        warmup = max(cfg.train.warmup_steps, 1)
-        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup)
-        )
+        self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
         self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.step = 0
         self.bad_steps = 0
@@ -81,13 +79,14 @@ class Trainer:
         if resume is not None:
             self._resume(resume)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over every parameter (the distributed runtime may shard its states instead)."""
-        return torch.optim.AdamW(self.model.parameters(), **self.adamw_kwargs())
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer, gradient clipping and the gradient all-reduce see: every parameter that
+        requires a gradient (all of them in full training; the adapters alone under LoRA)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
-    def adamw_kwargs(self) -> dict:
-        t = self.cfg.train
-        return {"lr": t.lr, "betas": tuple(t.betas), "weight_decay": t.weight_decay}
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """The run's optimizer over the trainable parameters (the distributed runtime may shard its states)."""
+        return build_optimizer(self.cfg.train, self.trainable_parameters())
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -173,7 +172,9 @@ class Trainer:
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
         clip = self.cfg.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.trainable_parameters(), clip if clip > 0 else math.inf
+        )
         if not (math.isfinite(loss) and torch.isfinite(grad_norm)):
             self.bad_steps += 1
             self.optimizer.zero_grad(set_to_none=True)

@@ -33,6 +33,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dit.clips import micro_batch_loss
 from dit.config import Config
+from dit.optim import optimizer_class, optimizer_kwargs
 from dit.setup import clip_tokens, vae_stride
 from dit.trainer import Trainer
 from dynamic_cp.attention.cp_attention import make_cp_attention
@@ -108,11 +109,11 @@ class DistributedTrainer(Trainer):
         # Per-parameter broadcasts, not bucket views: views into one buffer share storage, which
         # safetensors refuses to save.
         return ZeroRedundancyOptimizer(
-            self.model.parameters(),
-            optimizer_class=torch.optim.AdamW,
+            self.trainable_parameters(),
+            optimizer_class=optimizer_class(self.cfg.train),
             process_group=self.world,
             parameters_as_bucket_view=False,
-            **self.adamw_kwargs(),
+            **optimizer_kwargs(self.cfg.train),
         )
 
     def save(self):
@@ -218,7 +219,7 @@ class DistributedTrainer(Trainer):
 
         A parameter without a gradient (this rank ran nothing, or no clip used it) contributes zeros.
         """
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.trainable_parameters()
         parts = [
             p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params
         ]
