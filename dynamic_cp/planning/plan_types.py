@@ -29,6 +29,8 @@ class Plan:
     # FSDP per_layer only: lockstep rounds (see rounds.py), each a list of micro-batch indices with
     # pairwise disjoint rank sets; every rank joins every round, idle ranks with an empty micro-batch.
     rounds: list[list[int]] | None = None
+    # weight-sharding mode the plan was made for: 'none', 'per_step' or 'per_layer' (rounds set)
+    fsdp: str = "none"
 
     def per_rank(self) -> list[list[int]]:
         """rank -> indices into ``micro_batches`` in execution order."""
