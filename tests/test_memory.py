@@ -92,3 +92,17 @@ def test_errors():
         choose_fsdp_mode("wan-14b", 8, 0, 80 * GB, True)
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         choose_fsdp_mode("wan-14b", 8, 10**7, 80 * GB, False)
+
+
+def test_wan14b_config_fits_80gb_h100s():
+    from dit.config import load_config
+    from dynamic_cp.planning.cost_model import Hardware
+
+    cfg = load_config("configs/wan-14b-finetune.yaml")
+    hw = Hardware.load(cfg.parallel.hardware)
+    cap = cfg.parallel.cap_tokens or cfg.train.micro_batch_tokens
+    for world in (32, 64):  # the launch comment's 4 x 8 GPUs, and 8 x 8
+        mode, nbytes, got = choose_fsdp_mode(
+            cfg.model.size, world, cap, hw.memory_bytes, cfg.model.gradient_checkpointing
+        )
+        assert (mode, got) == ("per_layer", cap) and nbytes <= 0.9 * hw.memory_bytes == 0.9 * 80 * GB
