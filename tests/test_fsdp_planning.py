@@ -94,7 +94,7 @@ def test_rounds_planner_invariants(case):
     L = np.asarray(lengths)
     sizes = normalize_cp_sizes(world)
     kmin = min_cp_index(L, cap, sizes)
-    table = _time_table(L, sizes, kmin, cap, CM)
+    table = _time_table(L, sizes, kmin, cap, CM, world)
     for k in (kmin, np.full_like(kmin, len(sizes) - 1), np.maximum(kmin, (np.arange(L.size) % len(sizes)))):
         for slack in (1.0, 1.3):
             cand = _rounds_to_plan(_shelves(L, k, table, sizes, world, cap, 0.0, slack), world, cap)
@@ -120,6 +120,10 @@ def test_plan_for_mode():
     assert p.fsdp == "per_layer" and round_violations(p) == []
     with pytest.raises(ValueError, match="resolve 'auto'"):
         plan_for_mode(lengths, 4, 8_000, CM, "auto")
+    # restricted CP sizes are honoured (the world itself is not among them here)
+    lengths = [30_000, 900, 2_000, 15_000, 700, 5_000, 31_000]
+    p = plan_rounds(lengths, 8, 8_000, CM, cp_sizes=(1, 2, 4))
+    assert plan_violations(p, lengths, 8_000, (1, 2, 4)) == [] and round_violations(p) == []
     empty = plan_rounds([], 4, 8_000, CM)
     assert empty.micro_batches == [] and empty.rounds == []
 

@@ -43,9 +43,12 @@ from dynamic_cp.planning.rounds import lockstep_rounds
 DEFAULT_SLACKS = (1.0, 1.1, 1.25)
 
 
-def _time_table(L: np.ndarray, sizes: tuple[int, ...], kmin: np.ndarray, cap: float, cm: CostModel):
-    """(clips, sizes) additive seconds, inf where a clip does not fit; packs hold up to ``cap``."""
-    packed = min(float(cap), max(float(L.sum()) / max(sizes[-1], 1), 1.0))
+def _time_table(
+    L: np.ndarray, sizes: tuple[int, ...], kmin: np.ndarray, cap: float, cm: CostModel, world: int
+):
+    """(clips, sizes) additive seconds, inf where a clip does not fit; packs hold a rank's even share
+    of the batch, at most ``cap`` tokens (as ``planner.plan`` assumes)."""
+    packed = min(float(cap), max(float(L.sum()) / world, 1.0))
     table = np.full((L.size, len(sizes)), np.inf)
     for j, c in enumerate(sizes):
         fits = kmin <= j
@@ -138,7 +141,7 @@ def plan_rounds(
             [], world_size, cap_tokens, predicted_step_s=0.0, solver_ms=0.0, rounds=[], fsdp="per_layer"
         )
     kmin = min_cp_index(L, cap_tokens, sizes)
-    table = _time_table(L, sizes, kmin, cap_tokens, cost_model)
+    table = _time_table(L, sizes, kmin, cap_tokens, cost_model, world_size)
     size_arr = np.asarray(sizes)
     floor_s = WeightTraffic.of(cost_model, world_size).round_s
     choices = [_choose_sizes(table, size_arr, world_size, th) for th in thetas]
