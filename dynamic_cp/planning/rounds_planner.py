@@ -68,30 +68,38 @@ def _shelves(
     slack: float,
 ) -> list[list[tuple[tuple[int, ...], list[int]]]]:
     """Step 2: rounds of (ranks, clip ids) for size choice ``k`` (index into ``sizes`` per clip)."""
-    rows = np.arange(L.size)
-    t = table[rows, k]
+    # plain Python lists: this loop runs for every candidate, and numpy scalar indexing dominated it
+    rows = table.tolist()
+    ks = [int(j) for j in k]
+    t = [rows[i][ks[i]] for i in range(L.size)]
+    lens = [int(x) for x in L]
     blocks = {j: blocks_of_size(world, c) for j, c in enumerate(sizes)}
     remaining = sorted(range(L.size), key=lambda i: (-t[i], i))
     rounds = []
     while remaining:
-        work = float(sum(t[i] * sizes[k[i]] for i in remaining))
-        min_rounds = max(1, math.ceil(float(L[remaining].sum()) / (world * cap)))
-        height = max(float(t[remaining[0]]), work / (world * min_rounds), floor_s) * slack
+        work = float(sum(t[i] * sizes[ks[i]] for i in remaining))
+        min_rounds = max(1, math.ceil(sum(lens[i] for i in remaining) / (world * cap)))
+        height = max(t[remaining[0]], work / (world * min_rounds), floor_s) * slack
         free = [True] * world
+        first = dict.fromkeys(blocks, 0)  # per size: blocks before this one are taken (ranks only fill up)
         open_blocks: list[list] = []  # [size index, ranks, load, tokens, ids]
         left = []
         for i in remaining:
-            j = int(k[i])
-            home = next((b for b in blocks[j] if all(free[r] for r in b)), None)
-            if home is not None:
+            j = ks[i]
+            cand = blocks[j]
+            while first[j] < len(cand) and not all(free[r] for r in cand[first[j]]):
+                first[j] += 1
+            if first[j] < len(cand):
+                home = cand[first[j]]
                 for r in home:
                     free[r] = False
-                open_blocks.append([j, home, float(t[i]), int(L[i]), [i]])
+                open_blocks.append([j, home, t[i], lens[i], [i]])
                 continue
             best = None
+            row = rows[i]
             for b in open_blocks:
-                tb = float(table[i, b[0]])
-                if b[0] < j or not np.isfinite(tb) or b[3] + L[i] > cap * sizes[b[0]]:
+                tb = row[b[0]]
+                if b[0] < j or tb == math.inf or b[3] + lens[i] > cap * sizes[b[0]]:
                     continue
                 if b[2] + tb <= height and (best is None or b[2] + tb < best[0]):
                     best = (b[2] + tb, b, tb)
@@ -100,7 +108,7 @@ def _shelves(
                 continue
             _, b, tb = best
             b[2] += tb
-            b[3] += int(L[i])
+            b[3] += lens[i]
             b[4].append(i)
         if len(left) == len(remaining):  # nothing fit under the height: cannot happen, guard anyway
             raise AssertionError("rounds planner made no progress")
