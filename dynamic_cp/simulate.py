@@ -6,6 +6,9 @@
 
 Prints, per GPU count, each method's simulated step time, speedup over static CP, efficiency
 (lower bound / step) and solver milliseconds. ``--gantt PREFIX`` writes PREFIX_<method>_<W>.png.
+Then, per weight-sharding mode (``--fsdp``, default all: none, per_step, per_layer): memory per GPU,
+whether it fits, the step's lower bound, and static CP, Megatron's scheduler and Dynamic-CP under that
+mode's token cap and collectives, with the mode ``parallel.fsdp: auto`` would pick.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import argparse
 import sys
 
 from dynamic_cp.planning.compare import METHODS, compare, format_rows
+from dynamic_cp.planning.compare_modes import MODE_METHODS, compare_modes, format_mode_rows
 from dynamic_cp.planning.cost_model import MODELS, CostModel, builtin_profiles
+from dynamic_cp.planning.memory import FSDP_MODES
 from dynamic_cp.planning.simulator import gantt, simulate
 from dynamic_cp.planning.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
 
@@ -34,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cap", type=float, help="tokens per rank (default: the cost model's memory model)")
     ap.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing in the memory model"
+    )
+    ap.add_argument(
+        "--fsdp",
+        nargs="+",
+        default=["all"],
+        choices=["all", "off", *FSDP_MODES],
+        help="weight-sharding modes to compare (all, or off to skip the per-mode table)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -88,6 +100,14 @@ def main(argv=None) -> int:
                     )
                     gantt(sched, r.plan, lengths, path, title)
                     print(f"wrote {path}")
+            if "off" not in args.fsdp:
+                modes = FSDP_MODES if "all" in args.fsdp else tuple(m for m in FSDP_MODES if m in args.fsdp)
+                methods = [m for m in MODE_METHODS if m in args.methods or m == "dynamic-cp"]
+                chosen, mode_rows = compare_modes(
+                    lengths, world, cm, args.checkpointing, args.cap, modes, methods
+                )
+                print()
+                print(format_mode_rows(chosen, mode_rows, cm.hw.memory_bytes))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

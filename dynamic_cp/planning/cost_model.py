@@ -146,6 +146,15 @@ MODELS: dict[str, ModelDims] = {
 }
 
 
+def activation_bytes_per_token(dims: ModelDims, activation_checkpointing: bool = False) -> float:
+    """``CostModel.activation_bytes_per_token`` for bare dims (the memory model needs no hardware)."""
+    d, f, layers = dims.d, dims.ffn, dims.layers
+    block = (16 * d + 2 * f) * BYTES_BF16
+    if activation_checkpointing:
+        return layers * d * BYTES_BF16 + block
+    return layers * block
+
+
 class CostModel:
     """Seconds per packed micro-batch and tokens per rank; see the module docstring for the formulas."""
 
@@ -348,11 +357,7 @@ class CostModel:
         cross-attention, FFN input and hidden before/after the activation, modulations). With full
         checkpointing only each block's input survives, plus one block being recomputed.
         """
-        d, f, layers = self.dims.d, self.dims.ffn, self.dims.layers
-        block = (16 * d + 2 * f) * BYTES_BF16
-        if activation_checkpointing:
-            return layers * d * BYTES_BF16 + block
-        return layers * block
+        return activation_bytes_per_token(self.dims, activation_checkpointing)
 
     def token_cap(
         self,
