@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+from data.cli import add_debug_flag, run_cli
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -26,28 +28,29 @@ def main(argv: list[str] | None = None) -> int:
         help="resume from a run directory or step directory; alone, from output_dir's latest checkpoint",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides such as train.max_steps=200")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.resume and "=" in args.resume and not os.path.exists(args.resume):
         # `--resume train.max_steps=2000`: argparse took the override as the optional path
         args.overrides.insert(0, args.resume)
         args.resume = "auto"
 
+    return run_cli(lambda: run(args), args.debug)
+
+
+def run(args) -> int:
     from dit.config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        resume = cfg.output_dir if args.resume == "auto" else args.resume
-        if cfg.parallel.mode == "none":
-            from dit.trainer import Trainer
+    cfg = load_config(args.config, args.overrides)
+    resume = cfg.output_dir if args.resume == "auto" else args.resume
+    if cfg.parallel.mode == "none":
+        from dit.trainer import Trainer
 
-            Trainer(cfg, resume=resume).train()
-        else:
-            from dynamic_cp.runtime import run_distributed
+        Trainer(cfg, resume=resume).train()
+    else:
+        from dynamic_cp.runtime import run_distributed
 
-            run_distributed(cfg, resume=resume)
-    except ValueError as err:  # a user's mistake: one line that names it and the fix
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        run_distributed(cfg, resume=resume)
     return 0
 
 
