@@ -1,6 +1,6 @@
 """Train a video DiT.
 
-    python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [PATH]]
+    python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [PATH] | --overwrite]
 
 Single process by default. Under torchrun, parallel.mode=static or parallel.mode=dynamic runs
 context parallelism (see README).
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="resume from a run directory or step directory; alone, from output_dir's latest checkpoint",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train into an output_dir an earlier run used: that run is moved to <output_dir>.old-N first",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides such as train.max_steps=200")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
@@ -40,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from dit.config import load_config
+    from dit.run_dir import prepare_output_dir
 
     cfg = load_config(args.config, args.overrides)
     resume = cfg.output_dir if args.resume == "auto" else args.resume
+    # torchrun's RANK: only rank 0 moves an old run aside (the same rank that writes the new one)
+    prepare_output_dir(cfg.output_dir, resume, args.overwrite, os.environ.get("RANK", "0") == "0")
     if cfg.parallel.mode == "none":
         from dit.trainer import Trainer
 
