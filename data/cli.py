@@ -14,11 +14,18 @@ from collections.abc import Callable
 
 from data.failures import TooManyFailures
 
-# A user's mistake: a bad value or path (ValueError, by the project's rule), too many broken files, or a
-# file the user named that cannot be opened. Everything else is a bug and keeps its traceback.
+
+class RunStopped(RuntimeError):
+    """A run stopped for a reason the user must fix, not a bug (e.g. a loss that keeps diverging)."""
+
+
+# A user's mistake: a bad value or path (ValueError, by the project's rule), too many broken files, a
+# run stopped on purpose, or a file the user named that cannot be opened. Everything else is a bug
+# and keeps its traceback.
 USER_ERRORS = (
     ValueError,
     TooManyFailures,
+    RunStopped,
     FileNotFoundError,
     NotADirectoryError,
     IsADirectoryError,

@@ -89,6 +89,11 @@ def test_sample_missing_prompts_file(tmp_path):
 def test_simulate_missing_lengths_file(tmp_path):
     result = _run("-m", "dynamic_cp.simulate", "--lengths", str(tmp_path / "l.txt"), "--gpus", "4")
     _user_error(result, f"lengths file {tmp_path / 'l.txt'} does not exist")
+    (tmp_path / "hw.yaml").write_text("name: [broken\n")
+    result = _run(
+        "-m", "dynamic_cp.simulate", "--workload", "opensora", "--hardware", str(tmp_path / "hw.yaml")
+    )
+    _user_error(result, f"hardware profile '{tmp_path / 'hw.yaml'}' is not valid YAML at line 2")
 
 
 def test_calibrate_unknown_profile_and_device(tmp_path):
@@ -132,3 +137,26 @@ def test_resume_refuses_a_trainer_state_that_carries_code(tmp_path):
     _user_error(result, f"{step / 'trainer.pt'} holds a pickled Python object (io.open)")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not marker.exists()
+
+
+def test_run_cli_reports_user_errors_and_keeps_bugs_loud(capsys):
+    from data.cli import RunStopped, run_cli
+
+    def stop():
+        raise RunStopped("20 steps in a row had a non-finite loss; lower train.lr")
+
+    assert run_cli(stop) == 2
+    assert capsys.readouterr().err == "error: 20 steps in a row had a non-finite loss; lower train.lr\n"
+    # torch re-raises a DataLoader worker's exception with the worker's traceback in the message
+    worker = ValueError("Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent "
+                        "call last):\n  File \"x.py\", line 1\nValueError: clip 3: bad metadata")  # fmt: skip
+
+    def from_worker():
+        raise worker
+
+    assert run_cli(from_worker) == 2
+    assert capsys.readouterr().err == "error: clip 3: bad metadata\n"
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        run_cli(lambda: {}["missing"])
+    with pytest.raises(RunStopped):  # --debug shows the user error's traceback too
+        run_cli(stop, debug=True)
