@@ -30,7 +30,8 @@ def _flush() -> None:
 class NativeStderrFilter:
     def __init__(self) -> None:
         self._reset()
-        os.register_at_fork(after_in_child=self._after_fork)
+        if hasattr(os, "register_at_fork"):  # POSIX; decord ships no Windows wheels anyway
+            os.register_at_fork(after_in_child=self._after_fork)
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
