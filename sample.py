@@ -12,6 +12,8 @@ import re
 import sys
 from pathlib import Path
 
+from data.cli import add_debug_flag, run_cli
+
 
 def slug(text: str, limit: int = 60) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:limit] or "unconditional"
@@ -46,17 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=int, default=8)
     parser.add_argument(
-        "--upscale", type=int, default=4, help="nearest-neighbour enlargement of the written files"
+        "--upscale",
+        type=int,
+        default=1,
+        help="nearest-neighbour enlargement of the written files (default 1: the size asked for)",
     )
     parser.add_argument("--grid", action="store_true", help="also write a PNG grid of all frames")
     parser.add_argument("--out", default=None, help="output directory (default: <run>/samples)")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-
-    try:
-        return run(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: run(args), args.debug)
 
 
 def run(args) -> int:
@@ -70,6 +71,8 @@ def run(args) -> int:
     from dit.sampling import frame_grid, generate, to_uint8_frames
     from dit.setup import build_text_encoder, build_vae
 
+    if args.upscale < 1:
+        raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]

@@ -1,6 +1,6 @@
 """Train a video DiT.
 
-    python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [PATH]]
+    python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [PATH] | --overwrite]
 
 Single process by default. Under torchrun, parallel.mode=static or parallel.mode=dynamic runs
 context parallelism (see README).
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from data.cli import add_debug_flag, run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,29 +27,38 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="resume from a run directory or step directory; alone, from output_dir's latest checkpoint",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train into an output_dir an earlier run used: that run is moved to <output_dir>.old-N first",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides such as train.max_steps=200")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.resume and "=" in args.resume and not os.path.exists(args.resume):
         # `--resume train.max_steps=2000`: argparse took the override as the optional path
         args.overrides.insert(0, args.resume)
         args.resume = "auto"
 
+    return run_cli(lambda: run(args), args.debug)
+
+
+def run(args) -> int:
     from dit.config import load_config
+    from dit.run_dir import prepare_output_dir
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        resume = cfg.output_dir if args.resume == "auto" else args.resume
-        if cfg.parallel.mode == "none":
-            from dit.trainer import Trainer
+    cfg = load_config(args.config, args.overrides)
+    resume = cfg.output_dir if args.resume == "auto" else args.resume
+    # torchrun's RANK: only rank 0 moves an old run aside (the same rank that writes the new one)
+    prepare_output_dir(cfg.output_dir, resume, args.overwrite, os.environ.get("RANK", "0") == "0")
+    if cfg.parallel.mode == "none":
+        from dit.trainer import Trainer
 
-            Trainer(cfg, resume=resume).train()
-        else:
-            from dynamic_cp.runtime.distributed_trainer import run_distributed
+        Trainer(cfg, resume=resume).train()
+    else:
+        from dynamic_cp.runtime.distributed_trainer import run_distributed
 
-            run_distributed(cfg, resume=resume)
-    except ValueError as err:  # a user's mistake: one line that names it and the fix
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        run_distributed(cfg, resume=resume)
     return 0
 
 

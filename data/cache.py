@@ -120,9 +120,9 @@ def build_cache(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.build import build_dataset
-    from data.text_encoders import TEXT_KINDS, load_text_encoder
-    from data.vaes import VAE_KINDS, load_vae
+    from data.cli import add_debug_flag, run_cli
+    from data.text_encoders import TEXT_KINDS
+    from data.vaes import VAE_KINDS
 
     ap = argparse.ArgumentParser(prog="python -m data.cache", description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", required=True, help="folder, .csv/.jsonl manifest or pkg.module:Class")
@@ -144,9 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolution", type=int)
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--option", action="append", default=[], help="any clip-policy option, key=value")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
     if args.text_encoder != "hashed" and (args.text_dim is not None or args.text_seed is not None):
         ap.error("--text-dim and --text-seed apply to --text-encoder hashed only")
+    return run_cli(lambda: run(args), args.debug)
+
+
+def run(args) -> int:
+    from data.build import build_dataset
+    from data.text_encoders import load_text_encoder
+    from data.vaes import load_vae
 
     vae = load_vae(args.vae, args.vae_path, device=args.device)
     text = load_text_encoder(

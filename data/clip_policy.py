@@ -188,5 +188,8 @@ def parse_options(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ValueError(f"--option {pair!r}: write key=value, e.g. --option fps=16")
         key, value = pair.split("=", 1)
-        options[key.strip()] = yaml.safe_load(value)
+        try:
+            options[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"--option {pair!r}: the value is not valid YAML; quote it") from None
     return options

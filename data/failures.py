@@ -28,10 +28,13 @@ class FailureLog:
         self.failed: dict[str, str] = {}  # path -> reason; a path is counted once however often it fails
         self.skipped: dict[str, str] = {}
 
-    def fail(self, path: str, reason: str, detail: str = "", check: bool = True) -> None:
+    def fail(
+        self, path: str, reason: str, detail: str = "", check: bool = True, logged: bool = False
+    ) -> None:
         if path not in self.failed:
             self.failed[path] = reason
-            log.warning("data: skipping %s: %s%s", path, reason, f" ({detail})" if detail else "")
+            if not logged:
+                log.warning("data: skipping %s: %s%s", path, reason, f" ({detail})" if detail else "")
         if check:
             self.check()
 
@@ -41,9 +44,10 @@ class FailureLog:
             log.info("data: policy skips %s: %s%s", path, reason, f" ({detail})" if detail else "")
 
     def merge(self, records: list[tuple[str, str]]) -> None:
-        """Absorb failures reported by DataLoader workers (their dataset copies are separate)."""
+        """Absorb failures reported by DataLoader workers (their dataset copies are separate). The worker
+        logged each one already: one line per broken file, not one per process that met it."""
         for path, reason in records:
-            self.fail(path, reason)
+            self.fail(path, reason, logged=True)
 
     @property
     def share(self) -> float:

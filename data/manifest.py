@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -37,17 +38,28 @@ def _info_from(record: dict, where: str) -> VideoInfo | None:
     if any(v in (None, "") for v in values):
         return None  # not scanned yet: probe later
     try:
-        n, h, w, fps = int(float(values[0])), int(float(values[1])), int(float(values[2])), float(values[3])
-    except ValueError as e:
+        n, h, w, fps = (float(v) for v in values)
+        if not (math.isfinite(n + h + w + fps) and min(n, h, w) >= 1 and fps > 0):
+            raise ValueError("frames, height and width must be >= 1 and fps > 0, all finite")
+    except (ValueError, TypeError) as e:
         raise ValueError(
-            f"{where}: bad metadata {values} ({e}); fix the row or rerun python -m data.scan"
-        ) from e
-    return VideoInfo(n, h, w, fps)
+            f"{where}: bad metadata {dict(zip(COLUMNS[2:], values))} ({e}); fix the row or rerun python -m data.scan"
+        ) from None
+    return VideoInfo(int(n), int(h), int(w), fps)
 
 
 def read_manifest(path: str | os.PathLike) -> list[Row]:
     """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
     path = str(path)
+    try:
+        return _read_manifest(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except csv.Error as e:
+        raise ValueError(f"{path}: not a readable CSV file ({e})") from None
+
+
+def _read_manifest(path: str) -> list[Row]:
     root = os.path.dirname(os.path.abspath(path))
     if path.endswith(".csv"):
         with open(path, newline="", encoding="utf-8") as f:

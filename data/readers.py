@@ -22,6 +22,8 @@ except Exception:  # pragma: no cover - depends on the platform
 
 import av
 
+from data.native_stderr import QUIET_NATIVE_STDERR
+
 BACKENDS = ("auto", "decord", "pyav")
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")  # a still image is a one-frame clip
 
@@ -71,14 +73,16 @@ def _backend(backend: str) -> str:
 
 def _decord_reader(path: str):
     try:
-        return decord.VideoReader(path, num_threads=1)
+        with QUIET_NATIVE_STDERR:  # decord prints its own "ERROR opening" line before raising
+            return decord.VideoReader(path, num_threads=1)
     except Exception as e:  # decord raises RuntimeError/DECORDError with long C++ traces
         raise VideoReadError(path, "not_a_video_or_corrupt", str(e).splitlines()[0][:200]) from e
 
 
 def _probe_decord(path: str) -> VideoInfo:
     vr = _decord_reader(path)
-    h, w = vr[0].shape[:2] if len(vr) else (0, 0)
+    with QUIET_NATIVE_STDERR:
+        h, w = vr[0].shape[:2] if len(vr) else (0, 0)
     return VideoInfo(len(vr), int(h), int(w), float(vr.get_avg_fps()))
 
 
@@ -87,7 +91,8 @@ def _read_decord(path: str, indices: list[int]) -> np.ndarray:
     if max(indices) >= len(vr):
         raise VideoReadError(path, "too_few_frames", f"needs frame {max(indices)}, file has {len(vr)}")
     try:
-        return vr.get_batch(indices).asnumpy()  # (f, h, w, 3) uint8
+        with QUIET_NATIVE_STDERR:
+            return vr.get_batch(indices).asnumpy()  # (f, h, w, 3) uint8
     except Exception as e:
         raise VideoReadError(path, "decode_error", str(e).splitlines()[0][:200]) from e
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
+from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
 from data.manifest import Row, list_folder, read_manifest, write_manifest
 from data.readers import VideoReadError, probe
@@ -69,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--backend", default="auto", choices=("auto", "decord", "pyav"))
     ap.add_argument("--rescan", action="store_true", help="probe rows that already have metadata too")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
+    return run_cli(lambda: run(args), args.debug)
 
+
+def run(args) -> int:
     rows = read_rows(args.source)
     if args.rescan:
         for r in rows:

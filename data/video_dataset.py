@@ -125,6 +125,7 @@ class VideoDataset(Dataset):
                 continue
             sample["index"] = i
             sample["failures"] = records  # popped by data.loader, which merges it into the main process
-            log.warning("data: clip %d (%s) replaced by clip %d", i, self.path(i), j)
+            # info, not warning: the failure itself was the one warning line for this file
+            log.info("data: clip %d (%s) replaced by clip %d", i, self.path(i), j)
             return sample
         raise RuntimeError(f"every clip failed to load; last error: {err}\n{self.failures.report()}")

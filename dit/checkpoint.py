@@ -3,7 +3,8 @@
 Layout of ``<output_dir>/checkpoints/step_000100/``:
     model/          save_pretrained of the trained weights (config.json + safetensors)
     ema/            save_pretrained of the EMA weights (what sample.py loads by default)
-    trainer.pt      optimizer, LR schedule, step, counters and RNG states
+    trainer.pt      optimizer, LR schedule, step, counters and RNG states: tensors and plain Python
+                    types only, so it loads with ``torch.load(weights_only=True)`` and never runs code
     config.yaml     the full resolved config of the run
 The directory is first written as ``step_000100.tmp`` and renamed when complete, and
 ``checkpoints/latest`` (a one-line file) is replaced by rename too, so a run killed at any instant
@@ -13,7 +14,9 @@ leaves either the old or the new checkpoint, never half of one.
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -31,12 +34,28 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The three generators a step draws from, as tensors, ints and floats: numpy's state holds an
+    ndarray, which ``weights_only`` loading refuses, so its key travels as an int64 tensor."""
+    version, py_key, gauss = random.getstate()  # (3, 625 ints, None or float)
+    kind, np_key, pos, has_gauss, cached = np.random.get_state()  # ('MT19937', (624,) uint32, ...)
+    return {
+        "python": {"version": version, "key": torch.tensor(py_key, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "key": torch.from_numpy(np_key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),  # (5056,) uint8
+    }
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["key"].tolist()), py["gauss"]))
+    np_key = npy["key"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], np_key, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
 
 
@@ -80,7 +99,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_trainer_state(step_dir: Path) -> dict:
-    return torch.load(step_dir / "trainer.pt", map_location="cpu", weights_only=False)
+    """``trainer.pt`` with ``weights_only=True``: a shared checkpoint may hold any pickle, and loading
+    one with full unpickling runs whatever code it names. Anything but tensors and plain types is refused."""
+    path = step_dir / "trainer.pt"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; the checkpoint is incomplete, resume from another step")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message is a page long; the name of the refused global is what the user needs.
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        raise ValueError(
+            f"{path} holds a pickled Python object ({found.group(1) if found else 'not a tensor or plain value'}); "
+            "refusing to unpickle it, as that could run code. Resume only from checkpoints that this "
+            "version of train.py wrote"
+        ) from None
+    except RuntimeError as err:  # not a torch file at all: truncated, or another format
+        raise ValueError(f"{path} is not a readable torch file ({str(err).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict) or not {"optimizer", "lr_schedule", "step", "rng"} <= state.keys():
+        raise ValueError(f"{path} is not a trainer state (expected optimizer, lr_schedule, step and rng)")
+    return state
 
 
 def load_weights(model: torch.nn.Module, directory: Path) -> None:

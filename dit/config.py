@@ -210,7 +210,17 @@ def apply_override(data: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {item!r}: {part} is not a section")
-    node[leaf] = yaml.safe_load(raw)
+    node[leaf] = _yaml(raw, f"override {item!r}")
+
+
+def _yaml(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:  # its message spans several lines: keep the problem and its place
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where} is not valid YAML{at}: {problem}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -222,7 +232,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(
                 f"config file {path} does not exist; pass --config configs/tiny.yaml or another file"
             )
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start})"
+            ) from None
+        data = _yaml(text, f"config file {path}") or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     for item in overrides:
         apply_override(data, item)
     return from_dict(Config, data)

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from data.cli import RunStopped
 from dit.attention import PackedAttention
 from dit.batching import GlobalBatchSampler, pack_by_token_budget
 from dit.checkpoint import (
@@ -179,7 +180,7 @@ class Trainer:
             self.bad_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
             if self.bad_steps >= self.cfg.train.max_bad_steps:
-                raise RuntimeError(
+                raise RunStopped(
                     f"{self.bad_steps} steps in a row had a non-finite loss or gradient (last loss {loss}); "
                     "lower train.lr, raise train.warmup_steps or check the data"
                 )

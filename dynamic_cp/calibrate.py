@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data.cli import add_debug_flag, run_cli
 from dynamic_cp.planning.cost_model import ATTN_TRAIN, Hardware
 
 OPS_PER_LAYER = 40  # kernels a DiT block launches per fwd+bwd, order of magnitude
@@ -178,16 +179,23 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats (CI, smoke tests)")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
+    return run_cli(lambda: run(args), args.debug)
+
+
+def run(args) -> int:
     if args.d % args.heads:
-        print(f"error: --d {args.d} must be divisible by --heads {args.heads}", file=sys.stderr)
-        return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        raise ValueError(f"--d {args.d} must be divisible by --heads {args.heads}")
     try:
-        base = Hardware.load(args.base)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as err:
+        raise ValueError(
+            f"--device {args.device!r} is not a device ({err}); use cuda, cuda:1 or cpu"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is available here; use --device cpu")
+    base = Hardware.load(args.base)
     ffn = args.ffn or int(round(args.d * 8960 / 1536))
     hw, raw = calibrate(base, args.d, ffn, args.heads, args.layers, device, args.quick)
     for n, r in zip(raw["gemm_tokens"], raw["gemm_flops"]):

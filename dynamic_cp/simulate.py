@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data.cli import add_debug_flag, run_cli
 from dynamic_cp.planning.compare import METHODS, compare, format_rows
 from dynamic_cp.planning.compare_modes import MODE_METHODS, compare_modes, format_mode_rows
 from dynamic_cp.planning.cost_model import MODELS, CostModel, builtin_profiles
@@ -76,41 +77,41 @@ def batch_for(args, world: int) -> list[int]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cm = CostModel.from_name(args.model, args.hardware, args.comm)
-        for world in args.gpus:
-            cap = args.cap or cm.token_cap(shard_world=world, activation_checkpointing=args.checkpointing)
-            lengths = batch_for(args, world)
-            print(
-                f"\n== {args.workload or args.manifest or args.lengths} | {world} GPUs | {args.model} on "
-                f"{cm.hw.name} | {len(lengths)} clips, {sum(lengths):,} tokens, max {max(lengths):,} | "
-                f"cap {cap:,.0f} tokens/rank"
+    ap = build_parser()
+    add_debug_flag(ap)
+    args = ap.parse_args(argv)
+    return run_cli(lambda: run(args), args.debug)
+
+
+def run(args) -> int:
+    cm = CostModel.from_name(args.model, args.hardware, args.comm)
+    for world in args.gpus:
+        cap = args.cap or cm.token_cap(shard_world=world, activation_checkpointing=args.checkpointing)
+        lengths = batch_for(args, world)
+        print(
+            f"\n== {args.workload or args.manifest or args.lengths} | {world} GPUs | {args.model} on "
+            f"{cm.hw.name} | {len(lengths)} clips, {sum(lengths):,} tokens, max {max(lengths):,} | "
+            f"cap {cap:,.0f} tokens/rank"
+        )
+        bound, rows = compare(lengths, world, cap, cm, args.methods)
+        print(format_rows(bound, rows))
+        if args.gantt:
+            for r in rows:
+                if r.plan is None:
+                    continue
+                path = f"{args.gantt}_{r.method}_{world}.png"
+                sched = simulate(r.plan, lengths, cm)
+                title = f"{r.method}: {world} GPUs, step {sched.step_s:.2f} s, efficiency {r.efficiency:.2f}"
+                gantt(sched, r.plan, lengths, path, title)
+                print(f"wrote {path}")
+        if "off" not in args.fsdp:
+            modes = FSDP_MODES if "all" in args.fsdp else tuple(m for m in FSDP_MODES if m in args.fsdp)
+            methods = [m for m in MODE_METHODS if m in args.methods or m == "dynamic-cp"]
+            chosen, mode_rows = compare_modes(
+                lengths, world, cm, args.checkpointing, args.cap, modes, methods
             )
-            bound, rows = compare(lengths, world, cap, cm, args.methods)
-            print(format_rows(bound, rows))
-            if args.gantt:
-                for r in rows:
-                    if r.plan is None:
-                        continue
-                    path = f"{args.gantt}_{r.method}_{world}.png"
-                    sched = simulate(r.plan, lengths, cm)
-                    title = (
-                        f"{r.method}: {world} GPUs, step {sched.step_s:.2f} s, efficiency {r.efficiency:.2f}"
-                    )
-                    gantt(sched, r.plan, lengths, path, title)
-                    print(f"wrote {path}")
-            if "off" not in args.fsdp:
-                modes = FSDP_MODES if "all" in args.fsdp else tuple(m for m in FSDP_MODES if m in args.fsdp)
-                methods = [m for m in MODE_METHODS if m in args.methods or m == "dynamic-cp"]
-                chosen, mode_rows = compare_modes(
-                    lengths, world, cm, args.checkpointing, args.cap, modes, methods
-                )
-                print()
-                print(format_mode_rows(chosen, mode_rows, cm.hw.memory_bytes))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            print()
+            print(format_mode_rows(chosen, mode_rows, cm.hw.memory_bytes))
     return 0
 
 

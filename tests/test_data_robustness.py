@@ -111,3 +111,28 @@ def test_worker_failures_reach_the_main_process_and_the_share_check(good, tmp_pa
     with pytest.raises(TooManyFailures, match="max_failure_share"):
         for _ in build_dataloader(strict, batch_size=2, num_workers=2):
             pass
+
+
+def test_native_log_lines_are_dropped_and_the_rest_passes_through(capfd):
+    """decord writes '[hh:mm:ss] file.cc:83: ERROR opening ...' to fd 2 itself; only such lines go."""
+    import threading
+
+    from data.native_stderr import QUIET_NATIVE_STDERR
+
+    def native(k):
+        with QUIET_NATIVE_STDERR:  # windows from several threads nest
+            os.write(2, f"[09:34:38] /src/video/video_reader.cc:83: ERROR opening: {k}.mp4\n".encode())
+            os.write(2, f"ours {k}\r".encode())  # a progress bar's partial line flows through as it is
+
+    threads = [threading.Thread(target=native, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with QUIET_NATIVE_STDERR:
+        os.write(2, b"[not a log line]\n")
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "video_reader.cc" not in err
+    assert all(f"ours {k}\r" in err for k in range(4)) and "[not a log line]\n" in err
+    assert err.endswith("after\n")

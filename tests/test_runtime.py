@@ -269,7 +269,7 @@ def test_resumed_run_ends_with_the_same_weights_and_moments(results):
     final = {run: root / run / "checkpoints" / "step_000003" for run in ("whole", "killed")}
     a, b = (load_file(final[run] / "model" / "diffusion_pytorch_model.safetensors") for run in final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    saved = torch.load(root / "killed" / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)
+    saved = torch.load(root / "killed" / "checkpoints" / "step_000002" / "trainer.pt", weights_only=True)
     state = saved["optimizer"]["state"]  # a plain AdamW state dict: loads into any mode or world size
     assert len(state) == len(a) and all({"exp_avg", "exp_avg_sq"} <= set(v) for v in state.values())
 
@@ -280,7 +280,7 @@ def test_sharded_checkpoint_resumes_in_one_process(results, tmp_path):
     step_dir = root / "killed" / "checkpoints" / "step_000002"
     cfg = load_config(CONFIG, overrides(str(tmp_path / "one"), **{"parallel.mode": "none"}))
     trainer = Trainer(cfg, resume=str(step_dir), device=torch.device("cpu"))
-    saved = torch.load(step_dir / "trainer.pt", weights_only=False)["optimizer"]["state"]
+    saved = torch.load(step_dir / "trainer.pt", weights_only=True)["optimizer"]["state"]
     live = [trainer.optimizer.state[p] for p in trainer.model.parameters()]
     assert trainer.step == 2 and len(live) == len(saved)
     for i, state in enumerate(live):

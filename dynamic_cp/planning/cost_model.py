@@ -88,7 +88,14 @@ class Hardware:
                     "or a path to a .yaml profile (see `python -m dynamic_cp.calibrate`)"
                 )
             text = res.read_text()
-        raw = yaml.safe_load(text)
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark else ""
+            raise ValueError(f"hardware profile {name_or_path!r} is not valid YAML{at}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"hardware profile {name_or_path!r} must be a mapping of Hardware fields")
         names = {f.name for f in fields(cls)}
         optional = {f.name for f in fields(cls) if f.default is not MISSING}
         missing = names - set(raw) - optional

@@ -1,0 +1,162 @@
+"""Every command line reports a user's mistake as one message, exit code 2, no traceback (issue 14).
+
+Each test runs the real command in a subprocess and reads its stderr as a user would see it.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _data_media import make_broken, make_clips
+from conftest import tiny_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _run(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=180
+    )
+
+
+def _user_error(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"error: {message}" in result.stderr, result.stderr
+
+
+def _lines_naming(path: str, text: str) -> int:
+    return sum(path in line for line in text.splitlines())
+
+
+@pytest.fixture(scope="module")
+def broken_folder(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Two good clips and four broken files: most of the folder is broken."""
+    root = tmp_path_factory.mktemp("broken")
+    good = make_clips(str(root / "good"))
+    folder = root / "videos"
+    folder.mkdir()
+    for p in good[:2]:
+        os.link(p, folder / os.path.basename(p))
+    return folder, make_broken(str(folder), good[0])
+
+
+def test_train_too_many_broken_files(broken_folder, tmp_path):
+    folder, broken = broken_folder
+    over = tiny_overrides(tmp_path, **{"data.source": str(folder), "data.vae": "none"})
+    result = _run("train.py", "--config", TINY, *over)
+    _user_error(result, "4 of 6 files failed")
+    for path in broken:  # every broken file named once in the log and once in the stop message
+        assert _lines_naming(path, result.stderr) == 2, result.stderr
+    assert "video_reader.cc" not in result.stderr  # decord's own C++ lines are dropped
+
+
+def test_scan_names_each_broken_file_once(broken_folder, tmp_path):
+    folder, broken = broken_folder
+    result = _run("-m", "data.scan", str(folder), "--out", str(tmp_path / "m.csv"), "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    assert "video_reader.cc" not in result.stderr and "ERROR opening" not in result.stderr
+    for path in broken:
+        assert _lines_naming(path, result.stderr) == 1, (
+            result.stderr
+        )  # "data: skipping <path>: <reason> (...)"
+    assert "6 files, 4 failed" in result.stdout
+
+
+def test_scan_missing_source_and_debug_traceback(tmp_path):
+    args = ("-m", "data.scan", str(tmp_path / "none.csv"), "--out", str(tmp_path / "m.csv"))
+    _user_error(_run(*args), f"manifest {tmp_path / 'none.csv'} does not exist")
+    debug = _run(*args, "--debug")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "ValueError" in debug.stderr
+
+
+def test_cache_unknown_source(tmp_path):
+    result = _run("-m", "data.cache", "--source", str(tmp_path / "nothing"), "--out", str(tmp_path / "c"),
+                  "--vae", "identity", "--text-encoder", "hashed")  # fmt: skip
+    _user_error(result, f"data source '{tmp_path / 'nothing'}' is neither 'synthetic', an existing folder")
+    assert not (tmp_path / "c").exists()
+
+
+def test_sample_missing_prompts_file(tmp_path):
+    result = _run("sample.py", "--checkpoint", str(tmp_path), "--prompts-file", str(tmp_path / "p.txt"))
+    _user_error(result, f"{tmp_path / 'p.txt'}: No such file or directory")
+
+
+def test_simulate_missing_lengths_file(tmp_path):
+    result = _run("-m", "dynamic_cp.simulate", "--lengths", str(tmp_path / "l.txt"), "--gpus", "4")
+    _user_error(result, f"lengths file {tmp_path / 'l.txt'} does not exist")
+    (tmp_path / "hw.yaml").write_text("name: [broken\n")
+    result = _run(
+        "-m", "dynamic_cp.simulate", "--workload", "opensora", "--hardware", str(tmp_path / "hw.yaml")
+    )
+    _user_error(result, f"hardware profile '{tmp_path / 'hw.yaml'}' is not valid YAML at line 2")
+
+
+def test_calibrate_unknown_profile_and_device(tmp_path):
+    out = str(tmp_path / "p.yaml")
+    _user_error(
+        _run("-m", "dynamic_cp.calibrate", "--out", out, "--base", "nope"), "unknown hardware profile 'nope'"
+    )
+    _user_error(
+        _run("-m", "dynamic_cp.calibrate", "--out", out, "--device", "gpu0"),
+        "--device 'gpu0' is not a device",
+    )
+    assert not os.path.exists(out)
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: proof that code in a checkpoint ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_a_trainer_state_that_carries_code(tmp_path):
+    step = tmp_path / "shared" / "step_000003"
+    step.mkdir(parents=True)
+    marker = tmp_path / "code_ran"
+    import torch
+
+    state = {
+        "optimizer": {},
+        "lr_schedule": {},
+        "step": 3,
+        "bad_steps": 0,
+        "rng": {},
+        "x": _Payload(str(marker)),
+    }
+    torch.save(state, step / "trainer.pt")
+    result = _run("train.py", "--config", TINY, *tiny_overrides(tmp_path), "--resume", str(step))
+    _user_error(result, f"{step / 'trainer.pt'} holds a pickled Python object (io.open)")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not marker.exists()
+
+
+def test_run_cli_reports_user_errors_and_keeps_bugs_loud(capsys):
+    from data.cli import RunStopped, run_cli
+
+    def stop():
+        raise RunStopped("20 steps in a row had a non-finite loss; lower train.lr")
+
+    assert run_cli(stop) == 2
+    assert capsys.readouterr().err == "error: 20 steps in a row had a non-finite loss; lower train.lr\n"
+    # torch re-raises a DataLoader worker's exception with the worker's traceback in the message
+    worker = ValueError("Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent "
+                        "call last):\n  File \"x.py\", line 1\nValueError: clip 3: bad metadata")  # fmt: skip
+
+    def from_worker():
+        raise worker
+
+    assert run_cli(from_worker) == 2
+    assert capsys.readouterr().err == "error: clip 3: bad metadata\n"
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        run_cli(lambda: {}["missing"])
+    with pytest.raises(RunStopped):  # --debug shows the user error's traceback too
+        run_cli(stop, debug=True)
