@@ -17,8 +17,9 @@ import re
 import sys
 import threading
 
-# dmlc's format: "[hh:mm:ss] <source file>:<line>: <message>"
-NATIVE_LOG_LINE = re.compile(rb"\[\d\d:\d\d:\d\d\] \S+\.(?:cc|cpp|h):\d+: ")
+# dmlc's format: "[hh:mm:ss] <source file>:<line>: <message>\n". It may follow a progress bar's
+# unfinished line ("probing videos: 0%| [00:00<?]"), so it is cut out wherever it starts.
+NATIVE_LOG_LINE = re.compile(rb"\[\d\d:\d\d:\d\d\] \S+\.(?:cc|cpp|h):\d+: [^\n]*\n?")
 
 
 def _flush() -> None:
@@ -85,13 +86,15 @@ def _forward(read_end: int, out: int) -> None:
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
             while chunk := pipe.read(65536):
                 *lines, pending = re.split(rb"(?<=[\n\r])", pending + chunk)
-                kept = b"".join(line for line in lines if not NATIVE_LOG_LINE.match(line))
-                if pending and not pending.startswith(b"["):  # cannot become a dmlc line: pass it on now
-                    kept, pending = kept + pending, b""
+                kept = b"".join(NATIVE_LOG_LINE.sub(b"", line) for line in lines)
+                # an unfinished line passes on now, up to a "[" that may start a dmlc line
+                cut = pending.rfind(b"[")
+                cut = len(pending) if cut < 0 else cut
+                kept, pending = kept + pending[:cut], pending[cut:]
                 if kept:
                     os.write(out, kept)
-        if pending and not NATIVE_LOG_LINE.match(pending):
-            os.write(out, pending)
+        if pending:
+            os.write(out, NATIVE_LOG_LINE.sub(b"", pending))
     finally:
         os.close(out)
 

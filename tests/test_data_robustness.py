@@ -131,8 +131,12 @@ def test_native_log_lines_are_dropped_and_the_rest_passes_through(capfd):
         t.join()
     with QUIET_NATIVE_STDERR:
         os.write(2, b"[not a log line]\n")
+        # seen in a real run: the C++ line right after a progress bar's unfinished line
+        os.write(2, b"\rprobing: 0/6 [00:00<?, ?it/s]")
+        os.write(2, b"[10:30:11] /src/video/video_reader.cc:83: ERROR opening: x.webm, Invalid data\n")
     os.write(2, b"after\n")
     err = capfd.readouterr().err
     assert "video_reader.cc" not in err
     assert all(f"ours {k}\r" in err for k in range(4)) and "[not a log line]\n" in err
+    assert "\rprobing: 0/6 [00:00<?, ?it/s]after\n" in err
     assert err.endswith("after\n")
