@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from data.failures import absorb_worker_failures
 from dit.attention import PackedAttention
-from dit.batching import GlobalBatchSampler, pack_by_token_budget
+from dit.batching import pack_by_token_budget, step_loader
 from dit.checkpoint import (
     load_trainer_state,
     load_weights,
@@ -34,11 +34,6 @@ from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
 from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
 from dit.tracking import Tracker, check_trackers_installed
-
-
-def keep_list(samples: list) -> list:
-    """DataLoader collate: clips have different shapes, so a batch stays a list."""
-    return samples
 
 
 class Trainer:
@@ -174,11 +169,7 @@ class Trainer:
 
     def prepare(self, samples: list[dict], step: int) -> list[TrainClip]:
         c = self.cfg
-        failures = getattr(self.train_set, "failures", None)
-        for s in samples:  # broken files met inside DataLoader workers are counted in this process
-            records = s.pop("failures", None)
-            if records and failures is not None:
-                failures.merge(records)
+        absorb_worker_failures(samples, getattr(self.train_set, "failures", None))
         return [
             prepare_clip(s, self.encoder, self.patch, c.flow, c.data.caption_dropout, c.train.seed, step)
             for s in samples
@@ -253,19 +244,13 @@ class Trainer:
     # ----------------------------------------------------------------------------- loop
 
     def data_iterator(self):
-        sampler = GlobalBatchSampler(
-            self.train_indices, self.cfg.train.global_batch_size, self.cfg.data.seed, start_step=self.step
-        )
-        workers = self.cfg.data.num_workers
-        loader = DataLoader(
-            self.train_set,
-            batch_sampler=sampler,
-            collate_fn=keep_list,
-            num_workers=workers,
-            prefetch_factor=2 if workers else None,
-            persistent_workers=workers > 0,
-        )
-        return iter(loader)
+        c = self.cfg
+        return iter(
+            step_loader(
+                self.train_set, self.train_indices, c.train.global_batch_size, c.data.seed, self.step,
+                c.data.num_workers,
+            )
+        )  # fmt: skip
 
     def run_step(self, samples: list[dict]) -> tuple[dict, list[int]]:
         """One optimizer step on a global batch from ``data_iterator``: (metrics, clip token counts)."""
