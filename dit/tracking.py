@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 
 import torch
@@ -78,7 +79,7 @@ class Tracker:
 
             self.out.mkdir(parents=True, exist_ok=True)
             id_file = self.out / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
             id_file.write_text(run_id + "\n")
             self._wandb = wandb.init(
                 project=project, name=self.out.name, id=run_id, resume="allow", dir=str(self.out),
