@@ -1,6 +1,8 @@
 """Train a video DiT.
 
     python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [PATH] | --overwrite]
+    python train.py --config configs/wan-14b-finetune.yaml --dry-run     # check it, train nothing
+    python train.py --config configs/tiny.yaml train.lr=1e-3 --print-config > my.yaml
 
 Single process by default. Under torchrun, parallel.mode=static or parallel.mode=dynamic runs
 context parallelism (see README).
@@ -16,8 +18,24 @@ from data.cli import add_debug_flag, run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dit.config_cli import help_epilog
+
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the merged config as YAML and exit"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build data and model (meta device), print clips, tokens, parameters, memory, plan; train nothing",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", 8)),
+        help="ranks the dry run plans for under parallel.mode=static/dynamic (default $WORLD_SIZE or 8)",
     )
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config file")
     parser.add_argument(
@@ -48,6 +66,15 @@ def run(args) -> int:
     from dit.run_dir import prepare_output_dir
 
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        from dit.config_cli import dump_config
+
+        print(dump_config(cfg), end="")
+        return 0
+    if args.dry_run:  # exit code 1 when it found problems (missing paths, ...)
+        from dynamic_cp.dry_run import dry_run
+
+        return dry_run(cfg, args.world_size if cfg.parallel.mode != "none" else 1)
     resume = cfg.output_dir if args.resume == "auto" else args.resume
     # torchrun's RANK: only rank 0 moves an old run aside (the same rank that writes the new one)
     prepare_output_dir(cfg.output_dir, resume, args.overwrite, os.environ.get("RANK", "0") == "0")

@@ -81,3 +81,12 @@ class FailureLog:
         lines += [f"  failed  {p}: {r}" for p, r in self.failed.items()]
         lines += [f"  skipped {p}: {r}" for p, r in self.skipped.items()]
         return "\n".join(lines)
+
+
+def absorb_worker_failures(samples: list[dict], failures: FailureLog | None) -> None:
+    """Move the ``failures`` records that DataLoader workers attach to samples into the main
+    process's log (each worker counts in its own copy of the dataset); may raise TooManyFailures."""
+    for sample in samples:
+        records = sample.pop("failures", None)
+        if records and failures is not None:
+            failures.merge(records)

@@ -124,7 +124,7 @@ class VideoDataset(Dataset):
                 records.append((self.path(j), e.reason))
                 continue
             sample["index"] = i
-            sample["failures"] = records  # popped by data.loader, which merges it into the main process
+            sample["failures"] = records  # popped by data.failures.absorb_worker_failures in the trainer
             # info, not warning: the failure itself was the one warning line for this file
             log.info("data: clip %d (%s) replaced by clip %d", i, self.path(i), j)
             return sample

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.utils.data import DataLoader
 
 
 class GlobalBatchSampler:
@@ -64,3 +65,24 @@ def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]
             bins.append([i])
             loads.append(lengths[i])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def keep_list(samples: list) -> list:
+    """DataLoader collate: clips have different shapes, so a batch stays a list."""
+    return samples
+
+
+def step_loader(
+    dataset, indices: Sequence[int], batch_size: int, seed: int, start_step: int = 0, num_workers: int = 0
+) -> DataLoader:
+    """The trainer's data path: step ``start_step``'s global batch first, then every later step's, as
+    lists of samples, loaded (and prefetched) by ``num_workers`` DataLoader workers. Samples may carry
+    ``failures`` records from a worker's dataset copy (``data.failures.absorb_worker_failures``)."""
+    return DataLoader(
+        dataset,
+        batch_sampler=GlobalBatchSampler(indices, batch_size, seed, start_step=start_step),
+        collate_fn=keep_list,
+        num_workers=num_workers,
+        prefetch_factor=2 if num_workers else None,
+        persistent_workers=num_workers > 0,
+    )

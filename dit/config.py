@@ -85,7 +85,10 @@ class TrainConfig:
     lr: float = 3e-4  # peak learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
-    warmup_steps: int = 20  # linear warm-up steps, then constant
+    warmup_steps: int = 20  # steps of linear warm-up from 0 to train.lr, then train.lr_schedule
+    lr_schedule: str = "constant"  # after warm-up: 'constant', or 'cosine'/'linear' decay to 0
+    lr_decay_steps: int | None = None  # step at which cosine/linear reach 0; None = train.max_steps
+    optimizer: str = "adamw"  # 'adamw', 'adamw_fused' or 'adamw_8bit' (bitsandbytes: pip .[quant])
     grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
     ema_decay: float = 0.99  # EMA of the weights used for sampling; 0 disables it
     mixed_precision: str = "bf16"  # 'bf16' autocast on CUDA, or 'no'; CPU always runs fp32
@@ -96,6 +99,8 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     max_bad_steps: int = 20  # non-finite losses in a row before the run stops
     peak_tflops: float | None = None  # accelerator peak for the MFU figure (989 for H100 bf16); None = no MFU
+    report_to: list = field(default_factory=lambda: ["jsonl"])  # any of 'jsonl', 'tensorboard', 'wandb'
+    tracker_project: str = "dynamic-cp-video"  # wandb project (runs are named after output_dir)
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every", "val_every"):
@@ -111,6 +116,22 @@ class TrainConfig:
             raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'bf16' or 'no'")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas={self.betas} must be two numbers")
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"train.lr_schedule={self.lr_schedule!r}; use 'constant', 'cosine' or 'linear'")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"train.lr_decay_steps={self.lr_decay_steps} must be above train.warmup_steps="
+                f"{self.warmup_steps} (or null for train.max_steps)"
+            )
+        if self.optimizer not in ("adamw", "adamw_fused", "adamw_8bit"):
+            raise ValueError(
+                f"train.optimizer={self.optimizer!r}; use 'adamw', 'adamw_fused' or 'adamw_8bit'"
+            )
+        unknown = [r for r in self.report_to if r not in ("jsonl", "tensorboard", "wandb")]
+        if unknown:
+            raise ValueError(
+                f"train.report_to has {unknown[0]!r}; use a list of 'jsonl', 'tensorboard', 'wandb'"
+            )
 
 
 @dataclass

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from data.cli import RunStopped
+from data.failures import absorb_worker_failures
 from dit.attention import PackedAttention
-from dit.batching import GlobalBatchSampler, pack_by_token_budget
+from dit.batching import pack_by_token_budget, step_loader
 from dit.checkpoint import (
     load_trainer_state,
     load_weights,
@@ -28,16 +28,13 @@ from dit.checkpoint import (
 )
 from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
 from dit.config import Config, to_dict
+from dit.device_memory import bar_text, peak_memory, reset_peak
 from dit.ema import EMA
 from dit.flops import train_step_flops
 from dit.model import VideoDiT
-from dit.optim import build_lr_schedule, build_optimizer
+from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
 from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
-
-
-def keep_list(samples: list) -> list:
-    """DataLoader collate: clips have different shapes, so a batch stays a list."""
-    return samples
+from dit.tracking import Tracker, check_trackers_installed
 
 
 class Trainer:
@@ -47,6 +44,10 @@ class Trainer:
         self.cfg = cfg
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.out = Path(cfg.output_dir)
+        # a missing tracker library or an optimizer this device cannot run stops here, before any data
+        check_trackers_installed(cfg.train.report_to)
+        check_optimizer_runs(cfg.train, self.device)
+        self._tracker: Tracker | None = None
         torch.manual_seed(cfg.train.seed)
         self.model: VideoDiT = build_model(cfg.model).to(self.device)
         self.patch = tuple(self.model.config.patch_size)
@@ -130,10 +131,35 @@ class Trainer:
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
             path.write_text("".join(line + "\n" for line in kept))
 
+    @property
+    def tracker(self) -> Tracker:
+        """The run's ``train.report_to`` sinks, opened on first use (after a resume has set the step);
+        ranks other than the logging one get a tracker that writes nothing."""
+        if self._tracker is None:
+            t = self.cfg.train
+            self._tracker = (
+                Tracker(self.out, t.report_to, to_dict(self.cfg), self.step or None, t.tracker_project)
+                if self.is_main
+                else Tracker.disabled()
+            )
+        return self._tracker
+
     def log(self, record: dict) -> None:
+        self.tracker.log(record)
+
+    def log_video(self, name: str, video: torch.Tensor, step: int | None = None, fps: int = 8) -> None:
+        """A validation clip ((3, f, h, w) in [-1, 1], as ``dit.sampling.generate`` gives) to the trackers."""
+        self.tracker.log_video(name, video, self.step if step is None else step, fps)
+
+    def write_config(self) -> Path:
+        """``<output_dir>/config.yaml``: the resolved config, there before step 0 so that a run that
+        dies early still says what it ran (each checkpoint keeps its own copy too)."""
+        import yaml
+
         self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = self.out / "config.yaml"
+        path.write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        return path
 
     # ----------------------------------------------------------------------------- one step
 
@@ -144,11 +170,7 @@ class Trainer:
 
     def prepare(self, samples: list[dict], step: int) -> list[TrainClip]:
         c = self.cfg
-        failures = getattr(self.train_set, "failures", None)
-        for s in samples:  # broken files met inside DataLoader workers are counted in this process
-            records = s.pop("failures", None)
-            if records and failures is not None:
-                failures.merge(records)
+        absorb_worker_failures(samples, getattr(self.train_set, "failures", None))
         return [
             prepare_clip(s, self.encoder, self.patch, c.flow, c.data.caption_dropout, c.train.seed, step)
             for s in samples
@@ -223,19 +245,13 @@ class Trainer:
     # ----------------------------------------------------------------------------- loop
 
     def data_iterator(self):
-        sampler = GlobalBatchSampler(
-            self.train_indices, self.cfg.train.global_batch_size, self.cfg.data.seed, start_step=self.step
-        )
-        workers = self.cfg.data.num_workers
-        loader = DataLoader(
-            self.train_set,
-            batch_sampler=sampler,
-            collate_fn=keep_list,
-            num_workers=workers,
-            prefetch_factor=2 if workers else None,
-            persistent_workers=workers > 0,
-        )
-        return iter(loader)
+        c = self.cfg
+        return iter(
+            step_loader(
+                self.train_set, self.train_indices, c.train.global_batch_size, c.data.seed, self.step,
+                c.data.num_workers,
+            )
+        )  # fmt: skip
 
     def run_step(self, samples: list[dict]) -> tuple[dict, list[int]]:
         """One optimizer step on a global batch from ``data_iterator``: (metrics, clip token counts)."""
@@ -246,6 +262,8 @@ class Trainer:
         t = self.cfg.train
         dims = self.model.config
         dim = dims.num_attention_heads * dims.attention_head_dim
+        if self.is_main:
+            self.write_config()
         if self.step == 0:
             self.log({"step": 0, "val_loss": self.validation_loss()})
         batches = self.data_iterator()
@@ -254,6 +272,7 @@ class Trainer:
         )
         try:
             while self.step < t.max_steps:
+                reset_peak(self.device)
                 started = time.perf_counter()
                 metrics, lengths = self.run_step(next(batches))
                 seconds = time.perf_counter() - started
@@ -267,6 +286,7 @@ class Trainer:
                     "tokens_per_s": sum(lengths) / seconds,
                     "tflops": flops / seconds / 1e12,
                     "step_s": seconds,
+                    **peak_memory(self.device),
                 }
                 if t.peak_tflops:
                     record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
@@ -274,7 +294,9 @@ class Trainer:
                     record["val_loss"] = self.validation_loss()
                 if self.step % t.log_every == 0 or "val_loss" in record:
                     self.log(record)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mem=bar_text(record)
+                )
                 bar.update(1)
                 if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                     self.save()
@@ -282,6 +304,7 @@ class Trainer:
             bar.close()
             if hasattr(batches, "close"):
                 batches.close()
+            self.tracker.close()
         failures = getattr(self.train_set, "failures", None)
         if failures is not None:  # under CP each rank counts the broken files of its own share
             print(f"rank {self.rank}: {failures.summary()}" if self.world_size > 1 else failures.summary())

@@ -1,15 +1,25 @@
-"""Loader: workers and prefetch, list batches of mixed shapes, exact resume; plug-ins by name."""
+"""The trainer's data path (``dit.batching.step_loader``): workers and prefetch, list batches of mixed
+shapes, a resume that starts at the checkpoint's step; plug-ins by name.
+
+It replaced ``data.loader``'s ResumableLoader (one path, not two): the clip order is a pure function
+of (seed, step), so the data position in a checkpoint is the step number.
+"""
 
 import pytest
 import torch
 
 from data.build import build_dataset
-from data.loader import ResumableSampler, build_dataloader
 from data.tokens import latent_shape
+from dit.batching import step_loader
 
 
 def _indices(batches):
     return [[s["index"] for s in b] for b in batches]
+
+
+def _take(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
 
 
 def test_plugin_examples_load_by_name():
@@ -32,48 +42,22 @@ def test_plugin_examples_load_by_name():
 
 def test_batches_are_lists_of_variable_shapes_through_workers():
     ds = build_dataset("data.examples.plugin:RandomLatents", plugin_args={"num_clips": 12})
-    loader = build_dataloader(ds, batch_size=4, num_workers=2, prefetch_factor=2, seed=0)
-    batches = list(loader)
-    assert len(batches) == 3 and all(isinstance(b, list) and len(b) == 4 for b in batches)
+    batches = _take(step_loader(ds, range(12), batch_size=4, seed=0, num_workers=2), 3)  # one epoch
+    assert all(isinstance(b, list) and len(b) == 4 for b in batches)
     shapes = {tuple(s["latent"].shape) for b in batches for s in b}
     assert len(shapes) > 1  # mixed shapes survive collation
-    assert sorted(i for b in _indices(batches) for i in b) == list(range(12))
-    assert loader.epoch == 1
+    assert sorted(i for b in _indices(batches) for i in b) == list(range(12))  # each clip once an epoch
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_mid_epoch_and_across_epochs_is_exact(num_workers):
     ds = build_dataset("data.examples.plugin:RandomLatents", plugin_args={"num_clips": 10})
-    ref = build_dataloader(ds, batch_size=3, num_workers=num_workers, seed=5)
-    full = _indices(b for _ in range(3) for b in ref)  # three epochs uninterrupted
-    run = build_dataloader(ds, batch_size=3, num_workers=num_workers, seed=5)
-    got = []
-    it = run.batches()
-    for _ in range(5):  # into the second epoch (4 batches per epoch), stop with workers prefetching ahead
-        got.append([s["index"] for s in next(it)])
-    state = run.state_dict()
-    assert state["epoch"] == 1 and state["position"] == 3
-    resumed = build_dataloader(ds, batch_size=3, num_workers=num_workers, seed=5)
-    resumed.load_state_dict(state)
-    for _ in range(2):
-        got += _indices(resumed)
-    flat = lambda bs: [i for b in bs for i in b]  # noqa: E731
-    assert flat(got) == flat(full)
-    assert sorted(flat(full)[:10]) == list(range(10)) and flat(full)[:10] != flat(full)[10:20]
-
-
-def test_state_from_another_dataset_is_refused():
-    s = ResumableSampler(10, seed=1)
-    with pytest.raises(ValueError, match="num_samples"):
-        s.load_state_dict(ResumableSampler(11, seed=1).state_dict())
-
-
-def test_ranks_get_disjoint_equal_shares():
-    orders = [ResumableSampler(10, seed=3, rank=r, world_size=4).order(0) for r in range(4)]
-    assert all(len(o) == 3 for o in orders)
-    assert set().union(*orders) == set(range(10))
-    with pytest.raises(ValueError, match="rank"):
-        ResumableSampler(10, rank=4, world_size=4)
+    full = _indices(_take(step_loader(ds, range(10), 3, seed=5, num_workers=num_workers), 8))
+    # a run killed after step 5 (mid second epoch, workers prefetching ahead) resumes at step 5
+    resumed = _indices(_take(step_loader(ds, range(10), 3, seed=5, start_step=5, num_workers=num_workers), 3))
+    assert resumed == full[5:]
+    flat = [i for b in full for i in b]
+    assert sorted(flat[:10]) == list(range(10)) and flat[:10] != flat[10:20]  # reshuffled per epoch
 
 
 def test_latent_cache_reads_in_workers(tmp_path):
@@ -93,19 +77,7 @@ def test_latent_cache_reads_in_workers(tmp_path):
     )
     ds = build_dataset(str(tmp_path / "c"))
     assert ds.vae_stride == (1, 1, 1)
-    samples = [s for b in build_dataloader(ds, batch_size=2, num_workers=2, shuffle=False) for s in b]
-    assert [s["index"] for s in samples] == list(range(5))
+    samples = [s for b in _take(step_loader(ds, range(5), 5, seed=0, num_workers=2), 2) for s in b]
+    assert sorted(s["index"] for s in samples[:5]) == list(range(5))
     for s in samples:
         torch.testing.assert_close(s["latent"], clips[s["index"]]["video"])
-
-
-def test_breaking_out_and_iterating_again_continues_where_it_stopped():
-    ds = build_dataset("data.examples.plugin:RandomLatents", plugin_args={"num_clips": 10})
-    ref = [s["index"] for b in build_dataloader(ds, 3, num_workers=2, seed=5) for s in b]
-    loader = build_dataloader(ds, 3, num_workers=2, seed=5)
-    got = []
-    for batch in loader:  # a trainer that stops for validation, then carries on with the same loader
-        got += [s["index"] for s in batch]
-        break
-    got += [s["index"] for batch in loader for s in batch]
-    assert got == ref and loader.state_dict()["epoch"] == 1

@@ -10,9 +10,9 @@ from _data_media import make_broken, make_clips
 
 from data import scan
 from data.build import build_dataset
-from data.failures import TooManyFailures
-from data.loader import build_dataloader
+from data.failures import TooManyFailures, absorb_worker_failures
 from data.media import make_video
+from dit.batching import step_loader
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +103,17 @@ def test_load_time_failure_returns_a_deterministic_replacement_of_the_same_shape
 def test_worker_failures_reach_the_main_process_and_the_share_check(good, tmp_path):
     man, victims = _break_after_scan(good, tmp_path)
     ds = build_dataset(man, fps=8, max_frames=5, resolution=32, max_failure_share=0.5, progress=False)
-    loader = build_dataloader(ds, batch_size=2, num_workers=2, seed=0)
-    seen = [s["index"] for batch in loader for s in batch]
-    assert sorted(seen) == list(range(len(ds)))
+    # the trainer's path: step_loader's workers load, Trainer.prepare absorbs their failure records
+    loader = iter(step_loader(ds, range(len(ds)), batch_size=len(ds), seed=0, num_workers=2))
+    batch = next(loader)
+    absorb_worker_failures(batch, ds.failures)
+    assert sorted(s["index"] for s in batch) == list(range(len(ds)))
     assert set(ds.failures.failed) == set(victims)  # merged from the worker copies
     strict = build_dataset(man, fps=8, max_frames=5, resolution=32, max_failure_share=0.1, progress=False)
     with pytest.raises(TooManyFailures, match="max_failure_share"):
-        for _ in build_dataloader(strict, batch_size=2, num_workers=2):
-            pass
+        batches = step_loader(strict, range(len(strict)), batch_size=2, seed=0, num_workers=2)
+        for _, batch in zip(range(len(strict)), batches):  # the loader is endless: one epoch is enough
+            absorb_worker_failures(batch, strict.failures)
 
 
 def test_native_log_lines_are_dropped_and_the_rest_passes_through(capfd):

@@ -1,0 +1,184 @@
+"""``train.py --dry-run``: what a config would do, before any GPU hour is spent. Trains nothing.
+
+Builds the model on the meta device (shapes, no weights) and the dataset's metadata, then prints
+the clip count, token statistics, parameter count, the memory estimate per GPU and, under
+``parallel.mode=dynamic``, the planner's plan of the first step. A path that does not exist (the
+shipped configs hold ``/path/to/...`` placeholders) is listed as a problem and makes the exit code
+non-zero, but everything that does not need it is still printed: the parameter count and memory
+come from ``model.size`` when ``model.pretrained`` is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dit.config import Config
+from dit.model import VideoDiT
+from dit.setup import build_datasets, clip_tokens, vae_stride
+from dit.sizes import model_kwargs
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
+
+GB = 1e9
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f}" if n >= GB else f"{n / GB:.3f}"
+
+
+def missing_paths(cfg: Config) -> list[str]:
+    """Problems: every local path the config names that does not exist, by its dotted key."""
+    paths = {
+        "model.pretrained": cfg.model.pretrained,
+        "data.vae_path": cfg.data.vae_path,
+        "data.text_encoder_path": cfg.data.text_encoder_path,
+    }
+    source = cfg.data.source
+    if source != "synthetic" and not (":" in source and os.sep not in source.split(":", 1)[0]):
+        paths["data.source"] = source  # a folder, manifest or cache; 'pkg.module:Class' is imported
+    if cfg.parallel.hardware.endswith((".yaml", ".yml")):
+        paths["parallel.hardware"] = cfg.parallel.hardware
+    return [f"{key}={path} does not exist" for key, path in paths.items() if path and not Path(path).exists()]
+
+
+def meta_model(cfg: Config, use_pretrained: bool) -> VideoDiT:
+    """The configured VideoDiT with parameters on the meta device: shapes and counts, no memory."""
+    kwargs = model_kwargs(cfg.model.size, cfg.model.overrides)
+    if use_pretrained and cfg.model.pretrained:
+        import json
+
+        from dit.wan_import import OUR_CLASS, WAN_TEXT_LEN, transformer_folder, videodit_config
+
+        config = json.loads((transformer_folder(cfg.model.pretrained) / "config.json").read_text())
+        if config.get("_class_name") == OUR_CLASS:
+            kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+        else:
+            kwargs = videodit_config(config, WAN_TEXT_LEN)
+    with torch.device("meta"):
+        return VideoDiT(**kwargs)
+
+
+def token_stats(lengths: list[int]) -> dict[str, float]:
+    s = sorted(lengths)
+    return {
+        "min": s[0],
+        "median": statistics.median(s),
+        "mean": statistics.fmean(s),
+        "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
+        "max": s[-1],
+    }
+
+
+def memory_estimate(cfg: Config, model: VideoDiT, cost_model: CostModel, world_size: int) -> dict[str, float]:
+    """Bytes per GPU of this trainer as it runs today: fp32 weights (bf16 autocast computes, fp32
+    stays the master copy), fp32 gradients, AdamW moments (sharded by ZeRO-1 over the world when
+    ``parallel.shard_optimizer``; 2 bytes a parameter for adamw_8bit), an fp32 EMA copy, and the
+    cost model's activations for one micro-batch of ``cap_tokens``. The one place to swap in a
+    fuller memory model."""
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t, p = cfg.train, cfg.parallel
+    zero = p.mode != "none" and p.shard_optimizer and world_size > 1
+    moment_bytes = 2 if t.optimizer == "adamw_8bit" else 8
+    parts = {
+        "weights": 4 * params,
+        "gradients": 4 * trainable,
+        "optimizer": moment_bytes * trainable / (world_size if zero else 1),
+        "ema": 4 * params if t.ema_decay > 0 else 0,
+        "activations": cost_model.activation_bytes_per_token(cfg.model.gradient_checkpointing)
+        * (cap_tokens_of(cfg) if p.mode != "none" else t.micro_batch_tokens),
+    }
+    parts["total"] = sum(parts.values())
+    parts["gpu"] = cost_model.hw.memory_bytes
+    return parts
+
+
+def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = print) -> int:
+    """Print what ``cfg`` would run; -> 0, or 1 when problems were found (listed at the end)."""
+    problems = missing_paths(cfg)
+    echo(f"dry run of {cfg.output_dir}: parallel.mode={cfg.parallel.mode}, {world_size} rank(s)")
+
+    pretrained_ok = bool(cfg.model.pretrained) and Path(cfg.model.pretrained).exists()
+    try:
+        model = meta_model(cfg, pretrained_ok)
+    except ValueError as err:
+        problems.append(str(err))
+        model = meta_model(cfg, False)
+    src = "model.pretrained" if pretrained_ok else f"model.size={cfg.model.size}"
+    params = sum(p.numel() for p in model.parameters())
+    echo(f"model: {_count(params)} parameters ({params:,}) from {src}; weights not allocated (meta)")
+
+    lengths = None
+    if "data.source" in " ".join(problems):
+        echo("data: skipped (data.source is missing)")
+    else:
+        try:
+            patch = tuple(model.config.patch_size)
+            train_set, train_idx, _, val_idx = build_datasets(cfg.data, patch)
+            stride = vae_stride(cfg.data)
+            tokens = [clip_tokens(train_set.meta(i), patch, stride) for i in train_idx]
+            st = token_stats(tokens)
+            echo(f"data: {len(train_idx)} training clips, {len(val_idx)} validation clips")
+            echo(
+                f"tokens per clip: min {st['min']:,} median {st['median']:,.0f} mean {st['mean']:,.0f} "
+                f"p99 {st['p99']:,} max {st['max']:,}; {st['mean'] * cfg.train.global_batch_size:,.0f} per step on average"
+            )
+            channels = getattr(train_set, "latent_channels", None) or (
+                3 if cfg.data.vae == "identity" else None
+            )
+            if channels is not None and channels != model.config.in_channels:
+                problems.append(
+                    f"the model takes {model.config.in_channels} channels but the data gives {channels}"
+                )
+            from dit.batching import GlobalBatchSampler
+
+            first = GlobalBatchSampler(train_idx, cfg.train.global_batch_size, cfg.data.seed).batch(0)
+            token_of = dict(zip(train_idx, tokens))
+            lengths = [token_of[i] for i in first]
+        except ValueError as err:
+            problems.append(f"data: {err}")
+
+    cost_model = build_cost_model(cfg, model.config)
+    mem = memory_estimate(cfg, model, cost_model, world_size)
+    parts = ", ".join(
+        f"{k} {_gb(mem[k])}" for k in ("weights", "gradients", "optimizer", "ema", "activations")
+    )
+    echo(
+        f"memory per GPU (estimate): {_gb(mem['total'])} GB of {mem['gpu'] / GB:.0f} GB "
+        f"({cfg.parallel.hardware}): {parts} GB"
+    )
+    if mem["total"] > mem["gpu"]:
+        echo("  does not fit: this run would run out of memory on this hardware profile")
+
+    if cfg.parallel.mode != "none":
+        if lengths is None:
+            echo("first step's plan: skipped (needs the data)")
+        else:
+            try:
+                plan = make_plan_fn(cfg, cost_model, world_size)(lengths)
+                hist = ", ".join(f"CP{c} x{n}" for c, n in sorted(plan.cp_histogram().items()))
+                echo(
+                    f"first step's plan: {len(plan.micro_batches)} micro-batches ({hist}), "
+                    f"predicted {plan.predicted_step_s * 1e3:.1f} ms, planned in {plan.solver_ms:.1f} ms"
+                )
+                for ranks, ids in plan.micro_batches:
+                    echo(f"  ranks {list(ranks)}: clips {list(ids)}, {sum(lengths[i] for i in ids):,} tokens")
+            except ValueError as err:
+                problems.append(f"plan: {err}")
+
+    if problems:
+        echo(f"{len(problems)} problem(s):")
+        for p in problems:
+            echo(f"  - {p}")
+        return 1
+    echo("no problems found")
+    return 0
