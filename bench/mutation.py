@@ -270,6 +270,13 @@ def _run_child(module: str | None, code, tests: list[str], timeout_s: float) -> 
                 sys.meta_path.insert(0, _ServeMutant(module, str(ROOT / _path_of(module)), code))
             import pytest
 
+            try:  # a failing example is enough: shrinking it to the simplest one only costs time here
+                from hypothesis import Phase, settings
+
+                settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+                settings.load_profile("mutation")
+            except ImportError:
+                pass
             rc = pytest.main(_pytest_args(tests))
             os._exit(int(rc))
         except BaseException:
