@@ -44,3 +44,29 @@ def make_broken(folder: str, good_mp4: str) -> dict[str, str]:
     write("truncated.mp4", data[: len(data) // 2], "not_a_video_or_corrupt")  # moov atom lost
     write("garbage.webm", os.urandom(4096), "not_a_video_or_corrupt")
     return out
+
+
+LEVEL = 8  # grey level step between frames of an index-encoded clip
+
+
+def make_indexed_video(path: str, num_frames: int, gop: int = 8, size: int = 32, fps: int = 25) -> str:
+    """A clip whose frame i is flat grey LEVEL * i: its content names its index, so a reader that
+    returns a neighbouring frame is caught exactly (a moving test pattern changes too little between
+    neighbours for a tolerance to tell them apart). Short GOPs make the readers seek."""
+    import subprocess
+
+    from data.media import CODECS, ffmpeg_exe
+
+    if LEVEL * (num_frames - 1) > 255:
+        raise ValueError(f"num_frames={num_frames}: at most {255 // LEVEL + 1} distinct grey levels")
+    raw = b"".join(bytes([LEVEL * i]) * (size * size) for i in range(num_frames))
+    ext = os.path.splitext(path)[1].lower()
+    cmd = [ffmpeg_exe(), "-y", "-hide_banner", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "gray"]
+    cmd += ["-s", f"{size}x{size}", "-r", str(fps), "-i", "-", *CODECS[ext], "-g", str(gop), path]
+    subprocess.run(cmd, input=raw, check=True)
+    return path
+
+
+def frame_indices(frames) -> list[int]:
+    """(f, h, w, 3) uint8 frames of an index-encoded clip -> the index each frame shows."""
+    return [round(float(f.mean()) / LEVEL) for f in frames]

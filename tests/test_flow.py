@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dit.attention import PackedAttention
@@ -45,3 +46,61 @@ def test_loss_is_invariant_to_micro_batching_and_token_sharding():
     a = micro_batch_loss(model, clips, PackedAttention([lens[0], 0, 0]), 3, token_range=(0, lens[0]))
     b = micro_batch_loss(model, clips[1:], PackedAttention(lens[1:]), 3)
     torch.testing.assert_close(a + b, total, rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------- exact values
+# (each pins a formula or a default that the mutation bench found unpinned)
+
+
+def test_flow_loss_is_weighted_mean_squared_error():
+    from dit.flow import flow_loss
+
+    pred = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    target = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    # per token: (1 + 4) / 2 = 2.5 and (4 + 16) / 2 = 10; weighted 0.5 * 2.5 + 0.25 * 10
+    assert float(flow_loss(pred, target, torch.tensor([0.5, 0.25]))) == pytest.approx(3.75)
+
+
+def test_shift_sigmas_matches_the_flow_scheduler_formula():
+    from dit.flow import shift_sigmas
+
+    sigmas = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    got = shift_sigmas(sigmas, 3.0)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.75 / 1.5, 0.75, 1.0]))  # 3s / (1 + 2s)
+    torch.testing.assert_close(shift_sigmas(sigmas, 1.0), sigmas)
+
+
+def test_shift_for_tokens_is_exp_of_a_line_through_the_sd3_anchors():
+    import math
+
+    from dit.flow import shift_for_tokens
+
+    assert float(shift_for_tokens(256)) == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert float(shift_for_tokens(4096)) == pytest.approx(math.exp(1.15), rel=1e-6)
+    assert float(shift_for_tokens(2176)) == pytest.approx(math.exp(0.825), rel=1e-6)  # midpoint
+    got = shift_for_tokens(
+        torch.tensor([100, 8192]), base_tokens=100, max_tokens=8192, base_shift=0.0, max_shift=1.0
+    )
+    torch.testing.assert_close(got, torch.tensor([1.0, math.e]))
+
+
+def test_sigma_sampling_distributions():
+    from dit.flow import sample_sigmas
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.logit(sample_sigmas(20_000, g).double())  # default: logit-normal(0, 1)
+    assert abs(float(logits.mean())) < 0.03 and abs(float(logits.std()) - 1.0) < 0.03
+    logits = torch.logit(sample_sigmas(20_000, g, mean=0.5, std=0.7).double())
+    assert abs(float(logits.mean()) - 0.5) < 0.03 and abs(float(logits.std()) - 0.7) < 0.03
+    uniform = sample_sigmas(20_000, g, mode="uniform").double()
+    assert abs(float(uniform.mean()) - 0.5) < 0.01 and abs(float(uniform.std()) - (1 / 12) ** 0.5) < 0.01
+    with pytest.raises(ValueError, match="flow.timestep_sampling='cosine'"):
+        sample_sigmas(4, g, mode="cosine")
+
+
+def test_uniform_sigmas_are_clamped_inside_the_open_interval(monkeypatch):
+    from dit import flow
+
+    monkeypatch.setattr(flow.torch, "rand", lambda num, generator=None: torch.tensor([0.0, 1.0, 0.5]))
+    got = flow.sample_sigmas(3, torch.Generator(), mode="uniform")
+    assert torch.equal(got, torch.tensor([1e-5, 1 - 1e-5, 0.5]))

@@ -49,3 +49,14 @@ def test_indivisible_shape_error_names_axis_and_fix():
         check_divisible((5, 7, 8), (1, 2, 2))
     with pytest.raises(ValueError, match="empty"):
         pack([], (1, 2, 2))
+
+
+def test_local_seq_lens_counts_each_clips_tokens_inside_a_range():
+    """What a CP shard [start, end) holds of each clip: partial clips at both ends, empty clips, zeros."""
+    from dit.packing import local_seq_lens
+
+    lens = [3, 0, 5, 2]  # clips at [0, 3), [3, 3), [3, 8), [8, 10)
+    assert local_seq_lens(lens, 2, 9).tolist() == [1, 0, 5, 1]
+    assert local_seq_lens(torch.tensor(lens), 0, 10).tolist() == lens
+    assert local_seq_lens(lens, 4, 4).tolist() == [0, 0, 0, 0]
+    assert local_seq_lens(lens, 8, 10).tolist() == [0, 0, 0, 2]

@@ -9,8 +9,11 @@ One spawn of 4 gloo ranks runs every distributed case; the single-process refere
 - uneven: 3 clips on 4 ranks (rank 3 loads nothing, some rank may run nothing);
 - resume: a run that dies mid-step after its step-2 checkpoint, resumed, logs the same losses as an
   uninterrupted run.
-After one optimizer step, each rank's parameters must equal the single-process ``Trainer.train_step``
-on the same global batch within 1e-5 (relative, per tensor), and all ranks must be identical.
+The gradients handed to the optimizer (after the all-reduce, before clipping), the logged loss and
+grad_norm must equal the single-process ``Trainer.train_step`` on the same global batch within 1e-5
+(relative, per tensor), and so must each rank's parameters after the optimizer step; all ranks must be
+identical. Gradients are compared because AdamW's first step is about lr * sign(g): weights alone
+would let a gradient off by a factor of W pass (the "planted_scale" case shows the check catches it).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from dit.trainer import Trainer
 from dynamic_cp.planning.cost_model import Hardware
 from dynamic_cp.runtime import distributed_trainer
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer, train_distributed
-from dynamic_cp.runtime.testing import run_gloo
+from dynamic_cp.runtime.routing import share_of
+from dynamic_cp.runtime.testing import assert_grads_match, record_step_grads, relative_error, run_gloo
 
 WORLD = 4
 CAP = 96  # tokens per rank; a 5-frame 32x16 clip has 5 * 8 * 4 = 160 tokens, so it needs CP >= 2
@@ -85,13 +89,24 @@ def perturb(model: torch.nn.Module) -> None:
         p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def _one_step(case: str, out: str) -> dict:
+def _one_step(case: str, out: str, plant_scale: float | None = None) -> dict:
     # Latency-free links make the cost model's 2-D split win at CP 4 (with latency, ring's fewer
     # calls win at these tiny sizes); the profile only changes prices, never the maths.
     hardware = {"parallel.hardware": str(Path(out).parent / PROFILE)} if case == "hybrid" else {}
     cfg = load_config(CONFIG, overrides(out, **CASES[case], **hardware))
     trainer = DistributedTrainer(cfg, dist.group.WORLD)
     perturb(trainer.model)
+    if plant_scale is not None:  # a planted bug: the reduced gradients off by a constant factor
+        all_reduce = trainer._all_reduce
+
+        def scaled(*args):
+            result = all_reduce(*args)
+            for p in trainer.trainable_parameters():
+                p.grad.mul_(plant_scale)
+            return result
+
+        trainer._all_reduce = scaled
+    grads = record_step_grads(trainer)
     batches = trainer.data_iterator()
     batch = next(batches)
     built = []  # (layout, attention type, inner type) of every micro-batch this rank ran
@@ -120,6 +135,9 @@ def _one_step(case: str, out: str) -> dict:
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "moments": moments,
         "metrics": metrics,
+        "grads": grads[0],
+        "loaded": len(share_of(dist.get_rank(), dist.get_world_size(), batch.num_clips)),
+        "ran": len(batch.micro_batches),
         "lengths": batch.lengths,
         "plan": batch.plan.micro_batches,
         "built": built,
@@ -156,14 +174,15 @@ def _resume_case(root: str) -> dict:
 def worker(rank: int, world_size: int, root: str) -> dict:
     try:
         results = {case: _one_step(case, f"{root}/{case}") for case in CASES}
+        results["planted_scale"] = _one_step("dynamic", f"{root}/planted", plant_scale=1.0 / world_size)
         results["resume"] = _resume_case(root)
         return results
     except Exception:  # the spawn error shows only the last frame; keep the whole trace
         return {"error": traceback.format_exc()}
 
 
-def reference_step(case: str, out: str) -> tuple[dict, float]:
-    """Single-process ``Trainer.train_step`` on the same global batch."""
+def reference_step(case: str, out: str) -> tuple[dict, dict, dict]:
+    """Single-process ``Trainer.train_step`` on the same global batch: (params, metrics, gradients)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two cores shared with the spawned ranks: spinning threads cost 50x here
     try:
@@ -172,18 +191,15 @@ def reference_step(case: str, out: str) -> tuple[dict, float]:
         torch.set_num_threads(threads)
 
 
-def _reference_step(case: str, out: str) -> tuple[dict, float]:
+def _reference_step(case: str, out: str) -> tuple[dict, dict, dict]:
     cfg = load_config(CONFIG, overrides(out, **{**CASES[case], "parallel.mode": "none"}))
     trainer = Trainer(cfg, device=torch.device("cpu"))
     perturb(trainer.model)
+    grads = record_step_grads(trainer)
     indices = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed).batch(0)
     clips = trainer.prepare([trainer.train_set[i] for i in indices], 0)
     metrics = trainer.train_step(clips)
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, metrics["loss"]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, metrics, grads[0]
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +218,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_equals_single_process(results, case, tmp_path):
     root, out = results
-    ref, ref_loss = reference_step(case, str(tmp_path / "ref"))
+    ref, ref_metrics, ref_grads = reference_step(case, str(tmp_path / "ref"))
     res = out[0][case]
     if case != "uneven":
         assert max(res["lengths"]) > CAP, "the batch needs a clip longer than the cap to test CP >= 2"
@@ -210,10 +226,13 @@ def test_step_equals_single_process(results, case, tmp_path):
     assert max(sizes) >= 2, f"no micro-batch ran under CP: {res['plan']}"
     if case == "static":
         assert sizes == {2}
-    assert res["metrics"]["loss"] == pytest.approx(ref_loss, rel=REL_TOL)
+    for r in range(WORLD):
+        assert_grads_match(out[r][case]["grads"], ref_grads, REL_TOL, label=f"{case}, rank {r}")
+        for key in ("loss", "grad_norm"):
+            assert out[r][case]["metrics"][key] == pytest.approx(ref_metrics[key], rel=REL_TOL), key
     for name, p_ref in ref.items():
         for r in range(WORLD):
-            err = _rel(out[r][case]["params"][name], p_ref)
+            err = relative_error(out[r][case]["params"][name], p_ref)
             assert err < REL_TOL, (
                 f"{case}: rank {r} parameter {name} differs from single process by {err:.2e}"
             )
@@ -222,6 +241,20 @@ def test_step_equals_single_process(results, case, tmp_path):
             assert torch.equal(out[r][case]["params"][name], p), (
                 f"{case}: rank {r} {name} diverged from rank 0"
             )
+
+
+def test_planted_gradient_scale_fails_the_gradient_check(results, tmp_path):
+    """Reduced gradients divided by the world size (a mean where the loss weights need a sum): the
+    gradient comparison reports the 1/W ratio, while the weights after AdamW barely move."""
+    _, out = results
+    ref, ref_metrics, ref_grads = reference_step("dynamic", str(tmp_path / "ref"))
+    planted = out[0]["planted_scale"]
+    with pytest.raises(AssertionError, match=rf"\|grad\| / \|reference grad\| = {1 / WORLD:g}\b"):
+        assert_grads_match(planted["grads"], ref_grads, REL_TOL)
+    assert planted["metrics"]["grad_norm"] == pytest.approx(ref_metrics["grad_norm"] / WORLD, rel=1e-4)
+    # Why weights alone were not enough: AdamW's first update is ~lr * sign(g) whatever the scale.
+    worst = max(relative_error(planted["params"][n], p) for n, p in ref.items())
+    assert worst < 1e-3, worst
 
 
 def test_hybrid_step_runs_the_2d_layout(results):
@@ -243,9 +276,15 @@ def test_hybrid_step_runs_the_2d_layout(results):
 
 def test_uneven_batch_leaves_a_rank_without_data(results):
     _, out = results
-    res = out[0]["uneven"]
-    assert len(res["lengths"]) < WORLD  # rank 3 loaded nothing and the step still finished
-    assert len(res["metrics"]["idle_share"]) == WORLD
+    runs = [out[r]["uneven"] for r in range(WORLD)]
+    assert 0 in [res["loaded"] for res in runs], "some rank must load no clip for this case to test it"
+    # The timeline saw what each rank did: a rank that ran no micro-batch was idle the whole step.
+    idle = runs[0]["metrics"]["idle_share"]
+    assert len(idle) == WORLD
+    for r, res in enumerate(runs):
+        if res["ran"] == 0:
+            assert idle[r] == 1.0, (r, idle, [x["ran"] for x in runs])
+    assert min(idle) < 1.0, idle
 
 
 def test_resume_after_kill_gives_same_losses(results):
@@ -310,7 +349,10 @@ def test_step_logs_plan_and_timeline(results):
     ):
         assert key in rec, f"metrics line lacks {key}: {rec}"
     assert sum(rec["cp_hist"].values()) == rec["num_micro_batches"]
-    assert all(0.0 <= x <= 1.0 for x in rec["idle_share"])
+    # compute_s is the step's compute window, inside the whole step (which also loads and routes);
+    # some rank was busy for part of it.
+    assert 0.0 < rec["compute_s"] <= rec["step_s"], rec
+    assert min(rec["idle_share"]) < 1.0, rec
 
 
 def test_cli_torchrun(tmp_path):

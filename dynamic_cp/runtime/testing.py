@@ -69,3 +69,76 @@ def run_gloo_cases(fn: Callable, world_size: int, *args, timeout_s: float = 120)
         for key, value in per_rank.items():
             merged.setdefault(key, []).append(value)
     return merged
+
+
+# ----------------------------------------------------------------------------- gradient-level parity
+# Weights after one AdamW step hide the scale of the gradient (the update is about lr * sign(g)), so a
+# gradient off by a factor of the world size moves them by ~1e-5. Parity tests of a parallel path
+# compare the gradients the optimizer is handed instead, and the logged grad_norm and loss.
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: DTensors (FSDP2 shards) are gathered, a collective every rank must join."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def record_step_grads(trainer) -> list[dict]:
+    """Record, at every ``trainer.finish_step`` call, the gradients it is handed (after the step's
+    all-reduce, before clipping) as {parameter name: tensor}, plus the loss under ``"__loss__"``.
+
+    Returns the list the records are appended to. Works for ``Trainer`` and its distributed
+    subclasses (ZeRO-1, FSDP shards via ``full_tensor``, LoRA: only parameters with a gradient slot).
+    """
+    records: list[dict] = []
+    finish = trainer.finish_step
+
+    def recording(loss):
+        grads = {"__loss__": torch.tensor(float(loss), dtype=torch.float64)}
+        for name, p in trainer.model.named_parameters():
+            if p.requires_grad:
+                g = _full(p.grad) if p.grad is not None else torch.zeros_like(_full(p.detach()))
+                grads[name] = g.detach().cpu().clone()
+        records.append(grads)
+        return finish(loss)
+
+    trainer.finish_step = recording
+    return records
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """|got - ref| / |ref| in the Frobenius norm (0 for two empty or two zero tensors)."""
+    got, ref = got.double(), ref.double()
+    denom = ref.norm()
+    if denom == 0:
+        return float(got.norm())
+    return float((got - ref).norm() / denom)
+
+
+def assert_grads_match(got: dict, ref: dict, rel_tol: float, label: str = "") -> None:
+    """Assert that every gradient in ``got`` equals ``ref``'s within ``rel_tol`` (relative, per tensor).
+
+    ``got`` and ``ref`` map parameter names to gradients (``record_step_grads`` records). The same
+    names must be present in both, and the reference must not be all zeros (a vacuous comparison).
+    The failure message gives the worst tensor, its error and the ratio |got| / |ref| of the whole
+    gradient, so a wrong scale (1/W, W) reads as such.
+    """
+    prefix = f"{label}: " if label else ""
+    if set(got) != set(ref):
+        raise AssertionError(
+            f"{prefix}gradients of different parameters: only in the run {sorted(set(got) - set(ref))}, "
+            f"only in the reference {sorted(set(ref) - set(got))}"
+        )
+    names = [n for n in ref if not n.startswith("__")]
+    ref_norm = sum(float(ref[n].double().norm() ** 2) for n in names) ** 0.5
+    if ref_norm == 0:
+        raise AssertionError(f"{prefix}the reference gradients are all zero: the comparison is vacuous")
+    got_norm = sum(float(got[n].double().norm() ** 2) for n in names) ** 0.5
+    errors = {n: relative_error(got[n], ref[n]) for n in ref}
+    worst = max(errors, key=errors.get)
+    if errors[worst] > rel_tol:
+        bad = sum(e > rel_tol for e in errors.values())
+        raise AssertionError(
+            f"{prefix}gradient of {worst} differs from the single-process reference by {errors[worst]:.2e} "
+            f"(relative, tolerance {rel_tol:.0e}); {bad} of {len(errors)} tensors off; "
+            f"|grad| / |reference grad| = {got_norm / ref_norm:.6g} over all parameters"
+        )
