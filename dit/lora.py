@@ -274,3 +274,38 @@ class LoraFiles:
 
     def save_pretrained(self, directory: str | Path) -> None:
         save_lora(self.model, directory, state=self.state)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dit.lora merge --base BASE --lora FILE --out DIR``: base + LoRA folded into one full
+    diffusers WanTransformer3DModel folder (for tools that take no LoRA)."""
+    import argparse
+    import sys
+
+    from dit.wan_import import export_wan, load_pretrained
+
+    parser = argparse.ArgumentParser(prog="python -m dit.lora", description=main.__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    merge = sub.add_parser("merge", help="base + LoRA -> full diffusers transformer folder")
+    merge.add_argument("--base", required=True, help="diffusers Wan transformer/pipeline folder, or ours")
+    merge.add_argument("--lora", required=True, help="pytorch_lora_weights.safetensors or its folder")
+    merge.add_argument("--scale", type=float, default=1.0)
+    merge.add_argument("--out", required=True, help="new folder to write")
+    args = parser.parse_args(argv)
+    try:
+        model = load_pretrained(args.base)
+        load_lora(model, args.lora)
+        merge_lora(model, args.scale)
+        export_wan(model, args.out)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}; load it with WanTransformer3DModel.from_pretrained('{args.out}')")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
