@@ -9,6 +9,7 @@ must equal ``Trainer.train_step`` on the same global batches within 1e-5, on eve
 
 from __future__ import annotations
 
+import json
 import traceback
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
 from dit.wan_import import import_wan_state_dict
-from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer, train_distributed
 from dynamic_cp.runtime.testing import run_gloo
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -78,6 +79,14 @@ def worker(rank: int, world_size: int, root: str) -> dict:
                 trainer.step += 1
             batches.close()
             results[case] = {"steps": steps, "adapters": adapters(trainer), "cp_sizes": sorted(sizes)}
+        if world_size == 2:  # validation clips under torchrun, full fine-tuning: rank 0 samples alone
+            extra = {"parallel.mode": "dynamic", "model.lora": "null", "train.max_steps": 2,
+                     "train.sample_every": 1, "train.sample_prompts": "[a red circle]",
+                     "train.sample_shape": "[1, 8, 8]", "train.sample_steps": 2}  # fmt: skip
+            trainer = train_distributed(
+                load_config(CONFIG, overrides(root, "sampled", **extra)), dist.group.WORLD
+            )
+            results["sampled"] = trainer.write_samples()  # [] on the ranks that do not log
         return results
     except Exception:  # the spawn error shows only the last frame; keep the whole trace
         return {"error": traceback.format_exc()}
@@ -116,6 +125,18 @@ def runs(tmp_path_factory):
             assert "error" not in res, f"{world} ranks, rank {r} failed:\n{res['error']}"
         out[world] = per_rank
     return reference(str(root)), out
+
+
+def test_validation_clips_under_torchrun(runs, tmp_path_factory):
+    """Rank 0 samples between steps while rank 1 waits in the next step's collective: the run
+    finishes, and metrics.jsonl names the clips of steps 0, 1 and 2."""
+    _, out = runs
+    assert out[2][1]["sampled"] == [] and out[2][0]["sampled"]
+    root = Path(out[2][0]["sampled"][0]).parents[1]
+    records = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    sampled = {r["step"]: r["samples"] for r in records if "samples" in r}
+    assert sorted(sampled) == [0, 1, 2]
+    assert all(Path(p).is_file() for paths in sampled.values() for p in paths)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
