@@ -47,12 +47,14 @@ class Trainer:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.out = Path(cfg.output_dir)
         torch.manual_seed(cfg.train.seed)
-        self.model: VideoDiT = build_model(cfg.model).to(self.device)
+        model = build_model(cfg.model)
         self.lora = cfg.model.lora is not None
         if self.lora:  # frozen base in the compute dtype, fp32 adapters: the only trainable parameters
             from dit.lora import setup_lora
 
-            setup_lora(self.model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
+            # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
+            setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
+        self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
         self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
             cfg.data, self.patch
