@@ -96,8 +96,12 @@ def part2(rank: int) -> None:
     states = 2 * base + 16 * adapters
     print(f"\nWan-14B LoRA on one {hw.memory_bytes / 1e9:.0f} GB GPU ({hw.name} profile, 0.9 usable):")
     print(f"  base {base / 1e9:.2f}B params x 2 bytes (frozen bf16)      = {2 * base / 1e9:6.1f} GB")
-    print(f"  adapters {adapters / 1e6:.1f}M params (rank {rank}) x 16 bytes  = {16 * adapters / 1e9:6.2f} GB")
-    print(f"  full fine-tuning states, unsharded: 16 bytes x {base / 1e9:.2f}B = {16 * base / 1e9:6.1f} GB (does not fit)")
+    print(
+        f"  adapters {adapters / 1e6:.1f}M params (rank {rank}) x 16 bytes  = {16 * adapters / 1e9:6.2f} GB"
+    )
+    print(
+        f"  full fine-tuning states, unsharded: 16 bytes x {base / 1e9:.2f}B = {16 * base / 1e9:6.1f} GB (does not fit)"
+    )
     for ckpt in (False, True):
         per_token = cost.activation_bytes_per_token(ckpt)
         cap = int((usable - states) // per_token)
