@@ -2,21 +2,18 @@
 
     python sample.py --checkpoint runs/tiny --prompt "a red circle moving right on a black background"
 
-Loads the EMA weights by default. Same seed and arguments, same clip.
+Loads the EMA weights by default. Same seed and arguments, same clip. ``--lora FILE_OR_DIR`` adds a
+diffusers-format Wan LoRA (ours, diffusers', finetrainers', DiffSynth-Studio's) to any checkpoint,
+scaled by ``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 from data.cli import add_debug_flag, run_cli
-
-
-def slug(text: str, limit: int = 60) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:limit] or "unconditional"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         help="nearest-neighbour enlargement of the written files (default 1: the size asked for)",
     )
     parser.add_argument("--grid", action="store_true", help="also write a PNG grid of all frames")
+    parser.add_argument("--lora", default=None, help="a Wan LoRA .safetensors file (or its folder) to add")
+    parser.add_argument("--lora-scale", type=float, default=1.0, help="strength of --lora (0 = the base)")
     parser.add_argument("--out", default=None, help="output directory (default: <run>/samples)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
@@ -61,14 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    import imageio.v2 as imageio
     import torch
     import yaml
 
     from dit.checkpoint import resolve_checkpoint
     from dit.config import Config, from_dict
-    from dit.model import VideoDiT
-    from dit.sampling import frame_grid, generate, to_uint8_frames
+    from dit.sampling import generate, write_clips
     from dit.setup import build_text_encoder, build_vae
 
     if args.upscale < 1:
@@ -86,7 +83,7 @@ def run(args) -> int:
         )
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = VideoDiT.from_pretrained(weights).to(device).eval()
+    model = load_sampling_model(cfg, weights, args.lora, args.lora_scale).to(device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
     vae = build_vae(cfg.data, device)
     videos = generate(
@@ -96,17 +93,30 @@ def run(args) -> int:
         negative_prompt=args.negative_prompt,
     )  # fmt: skip
     out = Path(args.out) if args.out else step_dir.parent.parent / "samples"
-    out.mkdir(parents=True, exist_ok=True)
-    for i, (prompt, video) in enumerate(zip(prompts, videos)):
-        path = out / f"{i:02d}_{slug(prompt)}_seed{args.seed}.mp4"
-        frames = to_uint8_frames(video, args.upscale).numpy()
-        imageio.mimwrite(path, list(frames), fps=args.fps, codec="libx264", macro_block_size=1, quality=8)
-        print(path)
-    if args.grid:
-        path = out / f"grid_seed{args.seed}.png"
-        imageio.imwrite(path, frame_grid(videos, args.upscale).numpy())
+    for path in write_clips(videos, prompts, out, args.seed, args.fps, args.upscale, grid=args.grid):
         print(path)
     return 0
+
+
+def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float):
+    """A checkpoint's weights (a LoRA run's: its base + the saved adapter), then ``lora`` on top."""
+    import torch
+
+    from dit import lora as lora_lib
+    from dit.model import VideoDiT
+    from dit.setup import build_model
+
+    if (weights / lora_lib.WEIGHT_NAME).is_file():  # a LoRA run saved only its adapter
+        torch.manual_seed(cfg.train.seed)  # a base without model.pretrained is the run's seeded init
+        model = build_model(cfg.model)  # the base it trained on
+        lora_lib.load_lora(model, weights, adapter_name="trained")
+        lora_lib.merge_lora(model)  # folded in, so that --lora below is the only adapter
+    else:
+        model = VideoDiT.from_pretrained(weights)
+    if lora is not None:
+        lora_lib.load_lora(model, lora)
+        lora_lib.set_lora_scale(model, lora_scale)
+    return model
 
 
 if __name__ == "__main__":

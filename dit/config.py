@@ -17,17 +17,47 @@ import yaml
 
 
 @dataclass
+class LoraSettings:
+    rank: int = 16  # LoRA rank r of every adapted layer
+    alpha: float | None = None  # LoRA alpha; the update is scaled by alpha / rank; None = rank (scale 1)
+    # module names (suffixes, as peft matches them) to adapt; the default is what diffusers' and
+    # finetrainers' Wan LoRA scripts train; 'ffn.net.0.proj', 'ffn.net.2', 'proj_out' also work
+    target_modules: list = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    dropout: float = 0.0  # dropout on the adapter input during training
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank={self.rank} must be a positive integer")
+        if self.alpha is not None and self.alpha <= 0:
+            raise ValueError(f"model.lora.alpha={self.alpha} must be positive (or null for alpha = rank)")
+        if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError(
+                f"model.lora.target_modules={self.target_modules!r} must be a non-empty list of module "
+                "names, e.g. [to_q, to_k, to_v, to_out.0]"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout} must be in [0, 1)")
+
+
+@dataclass
 class ModelConfig:
     size: str = "tiny"  # a name in dit.sizes.MODEL_SIZES
     overrides: dict = field(default_factory=dict)  # VideoDiT config fields that replace the size's values
     pretrained: str | None = None  # local directory with our or a diffusers Wan transformer to start from
     gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
+    lora: LoraSettings | None = None  # train LoRA adapters on a frozen base (see dit/lora.py); None = full
+    lora_init: str | None = None  # a diffusers-format Wan LoRA file or folder to continue training from
 
     def __post_init__(self):
         from dit.sizes import MODEL_SIZES
 
         if self.size not in MODEL_SIZES:
             raise ValueError(f"model.size={self.size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
+        if self.lora_init is not None and self.lora is None:
+            raise ValueError(
+                f"model.lora_init={self.lora_init} needs model.lora set (e.g. model.lora={{}}) to train the "
+                "adapter it loads"
+            )
 
 
 @dataclass
@@ -101,6 +131,14 @@ class TrainConfig:
     peak_tflops: float | None = None  # accelerator peak for the MFU figure (989 for H100 bf16); None = no MFU
     report_to: list = field(default_factory=lambda: ["jsonl"])  # any of 'jsonl', 'tensorboard', 'wandb'
     tracker_project: str = "dynamic-cp-video"  # wandb project (runs are named after output_dir)
+    # steps between validation clips (mp4s + a PNG grid under <output_dir>/samples); 0 = off
+    sample_every: int = 0
+    sample_prompts: list = field(
+        default_factory=list
+    )  # prompts of the validation clips (fixed seed train.seed)
+    sample_shape: list = field(default_factory=lambda: [9, 16, 16])  # frames, height, width of the clips
+    sample_steps: int = 20  # Euler steps of the validation clips
+    sample_guidance: float = 4.0  # classifier-free guidance of the validation clips
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every", "val_every"):
@@ -131,6 +169,18 @@ class TrainConfig:
         if unknown:
             raise ValueError(
                 f"train.report_to has {unknown[0]!r}; use a list of 'jsonl', 'tensorboard', 'wandb'"
+            )
+        if self.sample_every < 0:
+            raise ValueError(f"train.sample_every={self.sample_every} must be >= 0 (0 turns samples off)")
+        if self.sample_every and not self.sample_prompts:
+            raise ValueError(
+                f"train.sample_every={self.sample_every} needs train.sample_prompts, e.g. "
+                "train.sample_prompts='[a red circle moving right on a black background]'"
+            )
+        if len(self.sample_shape) != 3 or self.sample_steps < 1:
+            raise ValueError(
+                f"train.sample_shape={self.sample_shape} must be [frames, height, width] and "
+                f"train.sample_steps={self.sample_steps} >= 1"
             )
 
 
@@ -213,6 +263,9 @@ def from_dict(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
+        optional = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if optional and value is not None:  # an optional section such as model.lora
+            hint = optional[0]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = from_dict(hint, value or {}, f"{prefix}{name}.")
         else:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import (
     PixArtAlphaTextProjection,
@@ -134,11 +135,18 @@ class Attention(nn.Module):
         self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
+    def fusable(self) -> bool:
+        """True while q, k and v are plain linear layers (no adapter layer wraps them)."""
+        return all(type(m) is nn.Linear for m in (self.to_q, self.to_k, self.to_v))
+
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None):
         """x (n, D), context (l, D) or None -> q (n, h, d), k and v (n or l, h, d)."""
         # One GEMM for q, k and v (or k and v of the context) instead of three: larger matrix products
         # run closer to peak; the weights stay separate parameters, named as in Wan.
-        if context is None:
+        if not self.fusable():  # peft LoRA layers wrap these projections: call them, or the adapters drop out
+            q = self.to_q(x)
+            k, v = self.to_k(x if context is None else context), self.to_v(x if context is None else context)
+        elif context is None:
             weight = torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight])
             bias = torch.cat([self.to_q.bias, self.to_k.bias, self.to_v.bias])
             q, k, v = F.linear(x, weight, bias).chunk(3, dim=-1)
@@ -199,8 +207,12 @@ class DiTBlock(nn.Module):
         return (x.float() + self.ffn(h).float() * gate2).type_as(x)
 
 
-class VideoDiT(ModelMixin, ConfigMixin):
+class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """Packed video DiT. Config names follow diffusers' WanTransformer3DModel where they overlap.
+
+    ``PeftAdapterMixin`` is diffusers' own LoRA mixin (as on WanTransformer3DModel): ``add_adapter``,
+    ``fuse_lora``, ``unload_lora`` and friends work here unchanged, since module names equal Wan's
+    (``dit/lora.py`` builds training, save and load on them).
 
     ``text_pad_len`` (ours, not diffusers'): zero-pad each caption to this many tokens as Wan's pipeline
     does (512 for Wan checkpoints, set by ``dit.wan_import``); None uses the captions as given.

@@ -9,6 +9,9 @@ Legend: n = tokens of one clip, b = prompts, p = patch values.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -100,3 +103,37 @@ def frame_grid(videos: list[torch.Tensor], upscale: int = 1) -> torch.Tensor:
     """Rows = prompts, columns = frames -> one (H, W, 3) uint8 image. Clips must share a shape."""
     rows = [torch.cat(list(to_uint8_frames(v, upscale)), dim=1) for v in videos]
     return torch.cat(rows, dim=0)
+
+
+def slug(text: str, limit: int = 60) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:limit] or "unconditional"
+
+
+def write_clips(
+    videos: list[torch.Tensor],
+    prompts: list[str],
+    out_dir: str | Path,
+    seed: int,
+    fps: int = 8,
+    upscale: int = 4,
+    grid: bool = True,
+    tag: str = "",
+) -> list[Path]:
+    """One .mp4 per prompt and (``grid``) one PNG of all frames, rows = prompts; -> the paths written.
+
+    ``tag`` prefixes the names (the training step, for validation clips)."""
+    import imageio.v2 as imageio
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (prompt, video) in enumerate(zip(prompts, videos)):
+        path = out / f"{tag}{i:02d}_{slug(prompt)}_seed{seed}.mp4"
+        frames = to_uint8_frames(video, upscale).numpy()
+        imageio.mimwrite(path, list(frames), fps=fps, codec="libx264", macro_block_size=1, quality=8)
+        paths.append(path)
+    if grid:
+        path = out / f"{tag}grid_seed{seed}.png"
+        imageio.imwrite(path, frame_grid(videos, upscale).numpy())
+        paths.append(path)
+    return paths

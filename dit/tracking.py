@@ -107,13 +107,20 @@ class Tracker:
             self._wandb.log(scalars, step=step)
 
     def log_video(
-        self, name: str, video: torch.Tensor, step: int, fps: int = 8, caption: str = ""
+        self,
+        name: str,
+        video: torch.Tensor,
+        step: int,
+        fps: int = 8,
+        caption: str = "",
+        mp4: Path | None = None,
     ) -> Path | None:
         """A validation clip, (3, f, h, w) in [-1, 1] as ``dit.sampling.generate`` returns it.
 
         Written as ``<out>/samples/<name>_step<step>.mp4``. TensorBoard gets its frames side by side
         as one image (its own video summary needs moviepy); wandb gets the mp4. Returns the mp4 path
-        (None when no tracker asked for it).
+        (None when no tracker asked for it). ``mp4``: the clip already written there (the trainer's
+        validation clips), so it is not encoded twice.
         """
         if not self.report_to:
             return None
@@ -122,9 +129,11 @@ class Tracker:
         from dit.sampling import to_uint8_frames
 
         frames = to_uint8_frames(video)  # (f, h, w, 3) uint8
-        path = self.out / "samples" / f"{name.replace('/', '_')}_step{step:06d}.mp4"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        iio.imwrite(path, frames.numpy(), fps=fps, codec="libx264", macro_block_size=1)
+        path = mp4
+        if path is None:
+            path = self.out / "samples" / f"{name.replace('/', '_')}_step{step:06d}.mp4"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            iio.imwrite(path, frames.numpy(), fps=fps, codec="libx264", macro_block_size=1)
         if self._tb is not None:
             strip = torch.cat(list(frames), dim=1)  # (h, f*w, 3)
             self._tb.add_image(name, strip.numpy(), step, dataformats="HWC")

@@ -29,7 +29,7 @@ from dit.checkpoint import (
 from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
 from dit.config import Config, to_dict
 from dit.device_memory import bar_text, peak_memory, reset_peak
-from dit.ema import EMA
+from dit.ema import EMA, AdapterEMA
 from dit.flops import train_step_flops
 from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
@@ -49,7 +49,14 @@ class Trainer:
         check_optimizer_runs(cfg.train, self.device)
         self._tracker: Tracker | None = None
         torch.manual_seed(cfg.train.seed)
-        self.model: VideoDiT = build_model(cfg.model).to(self.device)
+        model = build_model(cfg.model)
+        self.lora = cfg.model.lora is not None
+        if self.lora:  # frozen base in the compute dtype, fp32 adapters: the only trainable parameters
+            from dit.lora import setup_lora
+
+            # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
+            setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
+        self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
         self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
             cfg.data, self.patch
@@ -74,7 +81,8 @@ class Trainer:
             )
         self.optimizer = self._build_optimizer()
         self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
-        self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        ema_class = AdapterEMA if self.lora else EMA  # under LoRA: the adapters' averages alone
+        self.ema = ema_class(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.step = 0
         self.bad_steps = 0
         self._val_clips: list[list[TrainClip]] | None = None
@@ -95,11 +103,10 @@ class Trainer:
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
         state = load_trainer_state(step_dir)
-        load_weights(self.model, step_dir / "model")
-        if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
-            load_weights(
-                self.ema.model, step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
-            )
+        if self.lora:
+            self._resume_lora(step_dir)
+        else:
+            self._resume_weights(step_dir)
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.step = state["step"]
@@ -108,17 +115,42 @@ class Trainer:
         self._truncate_metrics(self.step)
         print(f"resumed from {step_dir} at step {self.step}")
 
+    def _resume_lora(self, step_dir: Path) -> None:
+        from dit.lora import adapter_values
+
+        live = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in adapter_values(self.model, step_dir / "model").items():
+                live[name].copy_(value)
+        if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed adapters
+            ema_dir = step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
+            for name, value in adapter_values(self.model, ema_dir).items():
+                self.ema.state[name].copy_(value)
+
+    def _resume_weights(self, step_dir: Path) -> None:
+        load_weights(self.model, step_dir / "model")
+        if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
+            load_weights(
+                self.ema.model, step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
+            )
+
     def save(self) -> Path:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "lr_schedule": self.lr_schedule.state_dict(),
             "bad_steps": self.bad_steps,
         }
+        if self.lora:  # the adapters alone (the base is model.pretrained), in diffusers' LoRA format
+            from dit.lora import LoraFiles
+
+            model, ema = LoraFiles(self.model), LoraFiles(self.model, self.ema.state) if self.ema else None
+        else:
+            model, ema = self.model, self.ema.model if self.ema else None
         return save_checkpoint(
             self.out / "checkpoints",
             self.step,
-            self.model,
-            self.ema.model if self.ema else None,
+            model,
+            ema,
             state,
             to_dict(self.cfg),
             self.cfg.train.keep_checkpoints,
@@ -147,10 +179,6 @@ class Trainer:
     def log(self, record: dict) -> None:
         self.tracker.log(record)
 
-    def log_video(self, name: str, video: torch.Tensor, step: int | None = None, fps: int = 8) -> None:
-        """A validation clip ((3, f, h, w) in [-1, 1], as ``dit.sampling.generate`` gives) to the trackers."""
-        self.tracker.log_video(name, video, self.step if step is None else step, fps)
-
     def write_config(self) -> Path:
         """``<output_dir>/config.yaml``: the resolved config, there before step 0 so that a run that
         dies early still says what it ran (each checkpoint keeps its own copy too)."""
@@ -162,6 +190,10 @@ class Trainer:
         return path
 
     # ----------------------------------------------------------------------------- one step
+
+    def compute_dtype(self) -> torch.dtype:
+        bf16 = self.device.type == "cuda" and self.cfg.train.mixed_precision == "bf16"
+        return torch.bfloat16 if bf16 else torch.float32
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.train.mixed_precision == "bf16":
@@ -242,6 +274,50 @@ class Trainer:
                 losses.append(loss.item())
         return sum(losses) / len(self.cfg.flow.val_sigmas)
 
+    # ----------------------------------------------------------------------------- samples and export
+
+    def sampling_weights(self):
+        """Context giving the weights to sample with: the EMA's when there is one."""
+        if self.ema is None:
+            return contextlib.nullcontext(self.model)
+        if self.lora:
+            return self.ema.swapped_in(self.model)
+        return contextlib.nullcontext(self.ema.model)
+
+    @torch.no_grad()
+    def write_samples(self) -> list[str]:
+        """Validation clips of ``train.sample_prompts`` at a fixed seed -> mp4s and a PNG grid under
+        ``<output_dir>/samples``; returns their paths. Only the logging rank samples: under torchrun
+        the others go on to the next step and wait in its first collective (the process group's
+        timeout, 30 minutes in ``run_distributed``, bounds how long sampling may take)."""
+        if not self.is_main:
+            return []
+        from dit.sampling import generate, write_clips
+
+        t = self.cfg.train
+        frames, height, width = t.sample_shape
+        with self.sampling_weights() as model, self.autocast():
+            model.eval()
+            videos = generate(
+                model, self.encoder.text_encoder, self.encoder.vae, list(t.sample_prompts), frames, height,
+                width, steps=t.sample_steps, guidance=t.sample_guidance, shift=self.cfg.flow.shift, seed=t.seed,
+            )  # fmt: skip
+        paths = write_clips(
+            videos, t.sample_prompts, self.out / "samples", t.seed, tag=f"step{self.step:06d}_"
+        )
+        for i, (prompt, video, mp4) in enumerate(zip(t.sample_prompts, videos, paths)):
+            self.tracker.log_video(f"samples/{i:02d}", video, self.step, caption=prompt, mp4=mp4)
+        return [str(p) for p in paths]
+
+    def export_lora(self) -> Path:
+        """The run's LoRA in diffusers' format: ``<output_dir>/pytorch_lora_weights.safetensors`` (the
+        EMA adapters when there is an EMA), for ``WanPipeline.load_lora_weights(output_dir)``."""
+        from dit.lora import save_lora
+
+        path = save_lora(self.model, self.out, state=self.ema.state if self.ema else None)
+        print(f"wrote {path}")
+        return path
+
     # ----------------------------------------------------------------------------- loop
 
     def data_iterator(self):
@@ -265,7 +341,10 @@ class Trainer:
         if self.is_main:
             self.write_config()
         if self.step == 0:
-            self.log({"step": 0, "val_loss": self.validation_loss()})
+            first = {"step": 0, "val_loss": self.validation_loss()}
+            if t.sample_every:  # the "before" clips of the run
+                first["samples"] = self.write_samples()
+            self.log(first)
         batches = self.data_iterator()
         bar = tqdm(
             total=t.max_steps, initial=self.step, desc="train", dynamic_ncols=True, disable=not self.is_main
@@ -292,7 +371,9 @@ class Trainer:
                     record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
                 if self.step % t.val_every == 0 or self.step == t.max_steps:
                     record["val_loss"] = self.validation_loss()
-                if self.step % t.log_every == 0 or "val_loss" in record:
+                if t.sample_every and (self.step % t.sample_every == 0 or self.step == t.max_steps):
+                    record["samples"] = self.write_samples()
+                if self.step % t.log_every == 0 or "val_loss" in record or "samples" in record:
                     self.log(record)
                 bar.set_postfix(
                     loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mem=bar_text(record)
@@ -305,6 +386,8 @@ class Trainer:
             if hasattr(batches, "close"):
                 batches.close()
             self.tracker.close()
+        if self.lora and self.is_main:
+            self.export_lora()
         failures = getattr(self.train_set, "failures", None)
         if failures is not None:  # under CP each rank counts the broken files of its own share
             print(f"rank {self.rank}: {failures.summary()}" if self.world_size > 1 else failures.summary())
