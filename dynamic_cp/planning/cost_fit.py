@@ -31,10 +31,13 @@ import numpy as np
 from scipy.optimize import nnls
 
 HUBER_DELTA = 0.05  # relative residual beyond which an observation counts linearly (stragglers, noise)
-PRIOR_WEIGHT = 1e-3  # weight of each pull-to-prior row against one data row
+PRIOR_WEIGHT = 1e-6  # weight of each pull-to-prior row against one data row (only pins what data leave free)
 IRLS_ITERATIONS = 6
 KNEE_GRID = tuple(2.0 ** (k / 2) for k in range(-6, 7))  # multiples of the prior's knee (1/8 .. 8)
-KNEE_IMPROVEMENT = 0.01  # a knee moves off the prior only if the loss drops by more than 1%
+KNEE_IMPROVEMENT = 0.01
+KNEE_REFINE = (2.0**0.25, 2.0**0.125)  # then finer steps around the best grid point
+COMM_ROUNDS = 4  # alternations between the ring's hidden/shown rows and the link fit
+RING_EXCESS = 0.1  # comm beyond the Ulysses part by this share of it: the ring showed  # a knee moves off the prior only if the loss drops by more than 1%
 
 
 @dataclass(frozen=True)
@@ -145,13 +148,14 @@ def comm_features(obs: list[Observation], shape: Shape) -> tuple[np.ndarray, np.
 # ------------------------------------------------------------------------------------ the solver
 
 
-def _robust_fit(A, y, prior, scale, lower, upper) -> tuple[np.ndarray, float]:
+def _robust_fit(A, y, prior, scale, lower, upper, denom=None) -> tuple[np.ndarray, float]:
     """Huber-IRLS bounded least squares on relative residuals with pull-to-prior rows.
 
-    A: (m, k) features, y: (m,) seconds, prior/scale/lower/upper: (k,). Returns (x, loss).
+    A: (m, k) features, y: (m,) seconds, prior/scale/lower/upper: (k,); residuals are relative to
+    ``denom`` (default y). Returns (x, loss).
     """
     k = A.shape[1]
-    rel = 1.0 / np.maximum(y, 1e-9)
+    rel = 1.0 / np.maximum(y if denom is None else denom, 1e-9)
     As = A * scale  # unknowns z = x / scale are O(1)
     z_prior = prior / scale
     lo, hi = lower / scale, upper / scale
@@ -210,6 +214,13 @@ def fit_terms(observations: list[Observation], shape: Shape, prior: Terms) -> Te
             x, loss = _fit_compute(obs, shape, prior, *cand)
             if loss < best_loss * (1 - KNEE_IMPROVEMENT):
                 best, best_x, best_loss = cand, x, loss
+        for step in KNEE_REFINE if best[axis] > 0 else ():
+            for f in (step, 1 / step):
+                h = best[axis] * f
+                cand = (h, best[1]) if axis == 0 else (best[0], h)
+                x, loss = _fit_compute(obs, shape, prior, *cand)
+                if loss < best_loss * (1 - KNEE_IMPROVEMENT / 10):
+                    best, best_x, best_loss = cand, x, loss
     compute = dict(zip(COMPUTE, best_x.tolist()))
     out = replace(prior, gemm_half=best[0], attn_half=best[1], **compute)
 
@@ -221,17 +232,28 @@ def fit_terms(observations: list[Observation], shape: Shape, prior: Terms) -> Te
     # attention each rank computes while the ring passes run (what the model lets the ring hide behind)
     attn = compute_features(multi, shape, out.gemm_half, out.attn_half)[:, 3] * out.inv_attn
     y = np.array([o.comm_seconds for o in multi])
+    total = np.array([o.seconds for o in multi])
     has_ring = ring.any(axis=1)
-    # A ring fully hidden behind attention (no measured wait) bounds its cost but does not give it.
-    keep = ~has_ring | (y > 0)
-    A = uly + ring
-    target = y + np.where(has_ring, attn, 0.0)
-    keep &= target > 0
-    if not keep.any():
-        return out
     p, scale, lower, upper = _bounds(COMM, prior)
     for j in range(4):
-        if p[j] == 0 and A[keep, j].any():
-            scale[j] = float(np.median(target[keep] / np.maximum(A[keep, j], 1e-30)))
-    x, _ = _robust_fit(A[keep], target[keep], p, scale, lower, upper)
+        if p[j] == 0 and (uly[:, j].any() or ring[:, j].any()):
+            scale[j] = (
+                float(np.median(y[y > 0] / np.maximum((uly + ring)[y > 0, j], 1e-30)))
+                if (y > 0).any()
+                else 1.0
+            )
+    x = p
+    # The ring's exposed time max(ring - attention, 0) is linear where the ring shows, so alternate:
+    # decide which rows show their ring under the current terms (or measure more than their
+    # Ulysses part explains), fit those as ring + Ulysses = comm + attention and the rest as
+    # Ulysses = comm. A ring fully hidden (no excess) bounds its cost but does not give it.
+    for _ in range(COMM_ROUNDS):
+        shows = has_ring & (y - uly @ x > RING_EXCESS * y)
+        A = uly + np.where(shows[:, None], ring, 0.0)
+        target = y + np.where(shows, attn, 0.0)
+        keep = A.any(axis=1) & (target > 0)
+        if not keep.any():
+            return out
+        # relative to the micro-batch's whole time: a comm error matters as much as it moves that
+        x, _ = _robust_fit(A[keep], target[keep], p, scale, lower, upper, total[keep])
     return replace(out, **dict(zip(COMM, x.tolist())))
