@@ -6,8 +6,8 @@
 Every run is ``torchrun --nproc_per_node=N train.py --config configs/tiny.yaml`` with the defaults a
 user gets (``parallel.hardware: auto``: a quick CPU measurement at start-up, then the cost model
 refits from the run's own micro-batches every ``parallel.refit_every`` steps, with bounded
-exploration) on a mixed synthetic dataset: 16-32 px, 1-17 frames, most clips short, cap 2,200 tokens
-per rank, so a 17-frame 32x32 clip (4,352 tokens) needs CP 2. Contenders alternate run by run
+exploration) on a mixed synthetic dataset: 32x32 clips of 1-9 frames at patch 1x4x4 (64-576 tokens),
+most short, cap 300 tokens per rank, so a 9-frame clip needs CP 2. Contenders alternate run by run
 (dynamic, static, dynamic, ...), so all see the same machine load; each figure is the median over
 the steps after ``--warmup`` of every run of that contender.
 
@@ -31,12 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = {
-    "data.frame_counts": "[1, 1, 1, 1, 1, 2, 2, 2, 5, 17]",
-    "data.resolutions": "[[16, 16], [16, 32], [32, 32]]",
+    # 32x32 frames, patch 1x4x4: 64 tokens a frame, so clips of 64-576 tokens; one in 16 has 9 frames
+    # (576 tokens, above the 300-token cap: CP 2), the rest 1-4 frames, as in a long-tailed set
+    "model.overrides": "{patch_size: [1, 4, 4]}",
+    "data.frame_counts": "[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 4, 4, 4, 4, 9]",
+    "data.resolutions": "[[32, 32]]",
     "data.num_clips": 2048,
     "data.num_val_clips": 1,
-    "train.micro_batch_tokens": 2200,
-    "parallel.cap_tokens": 2200,
+    "train.micro_batch_tokens": 300,
+    "parallel.cap_tokens": 300,
     "train.val_every": 100000,
     "train.log_every": 1,
     "train.warmup_steps": 1,
@@ -102,7 +105,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="runs per contender, alternated")
     ap.add_argument("--steps", type=int, default=30, help="steps per run")
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the medians (learning)")
-    ap.add_argument("--batch", type=int, default=16, help="global batch size in clips")
+    ap.add_argument("--batch", type=int, default=32, help="global batch size in clips")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run (key=value)")
     args = ap.parse_args()

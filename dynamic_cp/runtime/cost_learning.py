@@ -273,6 +273,7 @@ def write_timeline(run_dir: Path, step: int, plan: Plan, lengths, model: CostMod
             }
         )
     record = {"step": step, "world_size": plan.world_size, "micro_batches": rows}
+    run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / TIMELINES_FILE, "a") as f:
         f.write(json.dumps(record) + "\n")
 
