@@ -139,6 +139,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         return {"error": traceback.format_exc()}
 
 
+@pytest.mark.timeout(900)  # 4 spawned ranks on a shared 2-core machine
 def test_four_ranks_fit_bitwise_equal_coefficients_and_identical_plans(tmp_path):
     out = run_gloo(_worker, 4, str(tmp_path / "run"), timeout_s=400)
     for r, res in enumerate(out):
