@@ -12,10 +12,11 @@ long-tailed video statistics look like at toy scale. Steps of the two modes alte
 in one run, so both see the same machine load; the ratio is of median step times.
 
 Calibration (without --profile): both ranks time forward+backward of packed micro-batches at CP 1
-(side by side, as in a step) and at CP 2 (Ulysses over gloo), and a least-squares fit gives the cost
-model's per-micro-batch and per-clip overheads, GEMM and attention FLOP/s and the all-to-all latency
-and bandwidth. The cost model is linear in those six numbers, so the fit evaluates it on unit
-"basis" profiles to get each one's coefficient: the predictions are the planner's own formulas.
+(side by side, as in a step) and at CP 2 (Ulysses over gloo), with the time spent in the all-to-alls
+apart, and ``CostModel.fit`` (the runtime's own online fit) gives the per-micro-batch and per-clip
+overheads, GEMM and attention FLOP/s and the all-to-all latency and bandwidth. Online learning is
+off in both trainers here (``parallel.learn_costs=false``): this bench measures one calibrated
+model; ``bench/bench_learned_costs.py`` measures the default path that learns.
 
 Predicted = the simulator's critical path of the executed plan under the calibrated profile;
 measured = the step's compute window (first micro-batch to last, slowest rank) from the runtime's
@@ -31,12 +32,12 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from scipy.optimize import nnls
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -46,7 +47,9 @@ from data.types import ClipMeta  # noqa: E402
 from dit.clips import TrainClip, micro_batch_loss  # noqa: E402
 from dit.config import load_config  # noqa: E402
 from dit.packing import grid_positions  # noqa: E402
+from dynamic_cp.attention.comm_clock import CommClock  # noqa: E402
 from dynamic_cp.attention.cp_attention import make_cp_attention  # noqa: E402
+from dynamic_cp.planning.cost_fit import Observation  # noqa: E402
 from dynamic_cp.planning.cost_model import CostModel, Hardware  # noqa: E402
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer  # noqa: E402
 from dynamic_cp.runtime.step_plans import build_cost_model  # noqa: E402
@@ -91,6 +94,7 @@ def overrides(out: str, mode: str, hardware: str) -> list[str]:
         "parallel.cp_method": "ulysses",
         "parallel.cap_tokens": CAP,
         "parallel.hardware": hardware,
+        "parallel.learn_costs": False,
     }
     return [f"{k}={v}" for k, v in items.items()]
 
@@ -129,107 +133,49 @@ def _clips(lengths: list[int], text_dim: int, gen: torch.Generator) -> list[Trai
     return out
 
 
-def _measure(model, world, heads: int, repeats: int = 7) -> list[float]:
-    """Median fwd+bwd seconds (slowest rank) of every CALIBRATION micro-batch: the median, like the
-    step times it is meant to predict (the minimum under-predicted medians by 10-25% here)."""
+def _measure(model, world, heads: int, repeats: int = 7) -> list[tuple[float, float]]:
+    """Median fwd+bwd seconds (slowest rank) and collective seconds of every CALIBRATION
+    micro-batch: the median, like the step times it is meant to predict (the minimum
+    under-predicted medians by 10-25% here)."""
     gen = torch.Generator().manual_seed(0)
     text_dim = model.config.text_dim
     out = []
     for lengths, c in CALIBRATION:
         clips = _clips(lengths, text_dim, gen)
-        times = []
+        times, comms = [], []
         for i in range(repeats + 1):
             dist.barrier(group=world)
+            clock = CommClock(torch.device("cpu"))
             t0 = time.perf_counter()
-            attention, shard = make_cp_attention(world if c > 1 else None, lengths, "ulysses", heads)
-            token_range = (shard.start, shard.end) if c > 1 else None
-            micro_batch_loss(model, clips, attention, len(lengths), token_range).backward()
-            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            with clock.active():
+                attention, shard = make_cp_attention(world if c > 1 else None, lengths, "ulysses", heads)
+                token_range = (shard.start, shard.end) if c > 1 else None
+                micro_batch_loss(model, clips, attention, len(lengths), token_range).backward()
+            elapsed = torch.tensor([time.perf_counter() - t0, clock.seconds()], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world)
             if i:
-                times.append(float(elapsed))
+                times.append(float(elapsed[0]))
+                comms.append(float(elapsed[1]))
         model.zero_grad(set_to_none=True)
-        out.append(statistics.median(times))
+        out.append((statistics.median(times), statistics.median(comms)))
     return out
 
 
-BIG = 1e30
-
-
-def _basis(cm: CostModel, **hw) -> CostModel:
-    base = dict(
-        name="basis",
-        peak_flops=BIG,
-        gemm_efficiency=1.0,
-        gemm_half_tokens=0.0,
-        attention_efficiency=1.0,
-        attention_half_tokens=0.0,
-        intra_node_bandwidth=BIG,
-        inter_node_bandwidth=BIG,
-        intra_node_latency_s=0.0,
-        inter_node_latency_s=0.0,
-        gpus_per_node=WORLD,
-        micro_batch_overhead_s=0.0,
-        memory_bytes=64e9,
-        clip_overhead_s=0.0,
+def fit_profile(cm: CostModel, measured: list[tuple[float, float]]) -> Hardware:
+    """``CostModel.fit`` (the runtime's own fit) on the calibration micro-batches, from a prior
+    with this machine's shape: one node of WORLD ranks, no efficiency knees."""
+    prior = CostModel(
+        cm.dims,
+        dataclasses.replace(
+            cm.hw, name="cpu-gloo", gpus_per_node=WORLD, gemm_half_tokens=0.0, attention_half_tokens=0.0
+        ),
+        cm.comm,
     )
-    return CostModel(cm.dims, Hardware(**{**base, **hw}), cm.comm)
-
-
-def _features(cm: CostModel, lengths: list[int], c: int) -> np.ndarray:
-    """Coefficients of (overhead, per-clip overhead, 1/gemm FLOP/s, 1/attention FLOP/s, latency,
-    1/bandwidth)."""
-
-    def t(**hw):
-        return _basis(cm, **hw).micro_batch_time(lengths, c)
-
-    both = t(peak_flops=1.0)  # gemm + attention at 1 FLOP/s
-    gemm = t(peak_flops=1.0, gemm_efficiency=0.5) - both  # doubling gemm time isolates it
-    return np.array(
-        [
-            t(micro_batch_overhead_s=1.0),
-            t(clip_overhead_s=1.0),
-            gemm,
-            both - gemm,
-            t(intra_node_latency_s=1.0),
-            t(intra_node_bandwidth=1.0),
-        ]
-    )
-
-
-def fit_profile(cm: CostModel, seconds: list[float]) -> Hardware:
-    """Two stages, so that communication cannot soak up compute error: compute terms from the CP-1
-    shapes (no communication), then latency and bandwidth from what CP 2 adds on top."""
-    A = np.stack([_features(cm, lengths, c) for lengths, c in CALIBRATION])
-    y = np.asarray(seconds)
-    cp1 = np.array([c == 1 for _, c in CALIBRATION])
-
-    def nonneg_fit(A, y):
-        scale = A.max(axis=0)
-        x, _ = nnls(A / scale, y)
-        return x / scale
-
-    compute = nonneg_fit(A[cp1, :4], y[cp1])
-    comm = nonneg_fit(A[~cp1, 4:], y[~cp1] - A[~cp1, :4] @ compute)
-    overhead, per_clip, inv_gemm, inv_attn, latency, inv_bw = (float(v) for v in (*compute, *comm))
-    gemm, attn = 1 / max(inv_gemm, 1e-30), 1 / max(inv_attn, 1e-30)
-    peak = max(gemm, attn)
-    return Hardware(
-        name="cpu-gloo-fitted",
-        peak_flops=peak,
-        gemm_efficiency=gemm / peak,
-        gemm_half_tokens=0.0,
-        attention_efficiency=attn / peak,
-        attention_half_tokens=0.0,
-        intra_node_bandwidth=1 / max(inv_bw, 1e-30),
-        inter_node_bandwidth=1 / max(inv_bw, 1e-30),
-        intra_node_latency_s=latency,
-        inter_node_latency_s=latency,
-        gpus_per_node=WORLD,
-        micro_batch_overhead_s=overhead,
-        memory_bytes=64e9,
-        clip_overhead_s=per_clip,
-    )
+    obs = [
+        Observation(tuple(lengths), c, (c, 1), False, s, comm)
+        for (lengths, c), (s, comm) in zip(CALIBRATION, measured)
+    ]
+    return replace(prior.fit(obs).hw, name="cpu-gloo-fitted", memory_bytes=64e9)
 
 
 # ------------------------------------------------------------------------------ the comparison
@@ -242,15 +188,15 @@ def worker(rank: int, world_size: int, root: str, profile: str | None, steps: in
         cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides(f"{root}/cal", "dynamic", "h100"))
         trainer = DistributedTrainer(cfg, world)
         cm = build_cost_model(cfg, trainer.model.config)
-        seconds = _measure(trainer.model, world, trainer.model.config.num_attention_heads)
-        hw = fit_profile(cm, seconds)  # same inputs on every rank -> same profile
+        measured = _measure(trainer.model, world, trainer.model.config.num_attention_heads)
+        hw = fit_profile(cm, measured)  # same inputs on every rank -> same profile
         profile = f"{root}/cpu_fitted.yaml"
         if rank == 0:
             Path(profile).write_text(hw.to_yaml())
             fitted = CostModel(cm.dims, hw, cm.comm)
             result["calibration"] = [
                 (lengths, c, s, fitted.micro_batch_time(lengths, c))
-                for (lengths, c), s in zip(CALIBRATION, seconds)
+                for (lengths, c), (s, _) in zip(CALIBRATION, measured)
             ]
             result["profile"] = dataclasses.asdict(hw)
         dist.barrier(group=world)

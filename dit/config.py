@@ -191,7 +191,13 @@ class ParallelConfig:
     static_cp_size: int = 1  # CP size of static mode
     cp_sizes: list | None = None  # allowed CP sizes in dynamic mode; None = powers of two and the world
     cap_tokens: int | None = None  # most tokens one rank may hold; None = train.micro_batch_tokens
-    hardware: str = "h100"  # planner hardware profile name or yaml path
+    # planner's starting hardware profile: 'auto' (CUDA: the built-in profile matching the device
+    # name; CPU: a quick measurement at start-up; on --resume the run's learned_profile.yaml), a
+    # built-in name (h100, h200, a100) or a yaml path
+    hardware: str = "auto"
+    learn_costs: bool = True  # refit the cost model online from measured micro-batches; false freezes it
+    refit_every: int = 10  # steps between refits of the learned cost model
+    explore_budget: float = 0.1  # most predicted step share one exploratory micro-batch may add (0: none)
     plan_ahead: bool = True  # plan step s+1 in a background thread while step s runs
     # ZeRO-1: each rank keeps the AdamW moments of its share of the parameters (torch's
     # ZeroRedundancyOptimizer) and sends its updated share to the others; weights, gradients and the
@@ -205,6 +211,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.cp_method={self.cp_method!r}; use 'auto', 'ulysses' or 'ring'")
         if self.static_cp_size < 1:
             raise ValueError(f"parallel.static_cp_size={self.static_cp_size} must be >= 1")
+        if self.refit_every < 1:
+            raise ValueError(f"parallel.refit_every={self.refit_every} must be >= 1 (steps between refits)")
+        if not 0 <= self.explore_budget <= 1:
+            raise ValueError(f"parallel.explore_budget={self.explore_budget} must be in [0, 1]")
 
 
 @dataclass

@@ -60,6 +60,7 @@ def overrides(out: str, **extra) -> list[str]:
         "train.val_every": 100,
         "parallel.cap_tokens": CAP,
         "parallel.plan_ahead": True,
+        "parallel.hardware": "h100",  # fixed prices: the resume and plan checks need a fixed prior
         **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dit.attention import cu_seqlens_from_lengths
+from dynamic_cp.attention.comm_clock import timed
 from dynamic_cp.attention.kernels import attention_bwd_lse, attention_fwd_lse, use_flash
 from dynamic_cp.attention.sharding import ShardInfo
 
@@ -118,12 +119,14 @@ class _Ring:
             dist.P2POp(dist.isend, x.contiguous(), self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        return recv, dist.batch_isend_irecv(ops)
+        with timed():
+            return recv, dist.batch_isend_irecv(ops)
 
 
 def _wait(reqs: list) -> None:
-    for req in reqs:
-        req.wait()
+    with timed():  # what the ring did not hide behind attention
+        for req in reqs:
+            req.wait()
 
 
 class _RingAttention(torch.autograd.Function):

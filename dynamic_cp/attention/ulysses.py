@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dit.attention import AttentionFn
+from dynamic_cp.attention.comm_clock import timed
 
 
 def _tokens_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]) -> torch.Tensor:
@@ -30,7 +31,8 @@ def _tokens_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]
     # token order because shards are contiguous. Split sizes differ when shards do (all_to_all_single,
     # since gloo's list all_to_all needs equal sizes).
     recv = x.new_empty(sum(sizes), h // c, d)
-    dist.all_to_all_single(recv, send, output_split_sizes=sizes, input_split_sizes=[n_r] * c, group=group)
+    with timed():
+        dist.all_to_all_single(recv, send, output_split_sizes=sizes, input_split_sizes=[n_r] * c, group=group)
     return recv
 
 
@@ -40,9 +42,10 @@ def _heads_to_tokens(y: torch.Tensor, group: dist.ProcessGroup, sizes: list[int]
     _, h_c, d = y.shape
     # (n, h/c, d) -all_to_all-> (c * n_r, h/c, d): rank j sends back its head block of our tokens
     recv = y.new_empty(c * n_r, h_c, d)
-    dist.all_to_all_single(
-        recv, y.contiguous(), output_split_sizes=[n_r] * c, input_split_sizes=sizes, group=group
-    )
+    with timed():
+        dist.all_to_all_single(
+            recv, y.contiguous(), output_split_sizes=[n_r] * c, input_split_sizes=sizes, group=group
+        )
     # (c, n_r, h/c, d) -> (n_r, h, d)
     return recv.reshape(c, n_r, h_c, d).transpose(0, 1).reshape(n_r, c * h_c, d)
 

@@ -25,7 +25,7 @@ world as with FSDP/ZeRO) plus activations per token; ``token_cap`` is what fits 
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 
@@ -355,6 +355,65 @@ class CostModel:
             self._attn_coef * (L * L + L * self.dims.text_tokens) / (hw.peak_flops * hw.attention_efficiency)
         )
         return lin + attn
+
+    # ---------------------------------------------------------------- learning
+    def fit(self, observations, prior: CostModel | None = None) -> CostModel:
+        """A cost model whose hardware terms best explain measured micro-batches
+        (``cost_fit.Observation``: lengths, CP size, layout, node span, seconds, comm seconds).
+
+        Robust and bounded (Huber on relative error, non-negative bounded least squares), fitted
+        term by term of this model: per-micro-batch and per-clip overheads, GEMM and attention rates
+        and their knees, latency and bandwidth inside and across nodes. A term the observations do
+        not determine keeps ``prior``'s value (default: this model's). Deterministic. See
+        ``dynamic_cp/planning/cost_fit.py``.
+        """
+        from dynamic_cp.planning.cost_fit import Shape, Terms, fit_terms
+
+        base = prior if prior is not None else self
+        hw = base.hw
+        shape = Shape(
+            self.dims.d,
+            self.dims.layers,
+            self.dims.text_tokens,
+            self._lin_per_token,
+            self._text_per_clip,
+            self._attn_coef,
+            hw.gpus_per_node,
+        )
+        t = fit_terms(
+            list(observations),
+            shape,
+            Terms(
+                overhead=hw.micro_batch_overhead_s,
+                clip_overhead=hw.clip_overhead_s,
+                inv_gemm=1.0 / (hw.peak_flops * hw.gemm_efficiency),
+                inv_attn=1.0 / (hw.peak_flops * hw.attention_efficiency),
+                gemm_half=hw.gemm_half_tokens,
+                attn_half=hw.attention_half_tokens,
+                intra_latency=hw.intra_node_latency_s,
+                intra_inv_bw=1.0 / hw.intra_node_bandwidth,
+                inter_latency=hw.inter_node_latency_s,
+                inter_inv_bw=1.0 / hw.inter_node_bandwidth,
+            ),
+        )
+        gemm, attn = 1.0 / t.inv_gemm, 1.0 / t.inv_attn
+        peak = max(hw.peak_flops, gemm, attn)  # efficiencies stay fractions of a peak
+        learned = replace(
+            hw,
+            name=hw.name if hw.name.startswith("learned-") else f"learned-{hw.name}",
+            peak_flops=peak,
+            gemm_efficiency=gemm / peak,
+            gemm_half_tokens=t.gemm_half,
+            attention_efficiency=attn / peak,
+            attention_half_tokens=t.attn_half,
+            intra_node_bandwidth=1.0 / t.intra_inv_bw,
+            inter_node_bandwidth=1.0 / t.inter_inv_bw,
+            intra_node_latency_s=t.intra_latency,
+            inter_node_latency_s=t.inter_latency,
+            micro_batch_overhead_s=t.overhead,
+            clip_overhead_s=t.clip_overhead,
+        )
+        return CostModel(self.dims, learned, self.comm)
 
     # ---------------------------------------------------------------- memory
     def activation_bytes_per_token(self, activation_checkpointing: bool = False) -> float:

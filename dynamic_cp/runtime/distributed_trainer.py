@@ -23,7 +23,9 @@ gradients are replicated on every rank (no FSDP yet).
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import time
 from datetime import timedelta
 
@@ -31,15 +33,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from dit.checkpoint import resolve_checkpoint
 from dit.clips import micro_batch_loss
 from dit.config import Config
 from dit.optim import optimizer_class, optimizer_kwargs
 from dit.setup import clip_tokens, vae_stride
 from dit.trainer import Trainer
+from dynamic_cp.attention.comm_clock import CommClock
 from dynamic_cp.attention.cp_attention import make_cp_attention
+from dynamic_cp.runtime.cost_learning import STATE_FILE, build_learner, write_timeline
 from dynamic_cp.runtime.groups import build_cp_groups
 from dynamic_cp.runtime.iterator import DynamicCPBatches, StepBatch
-from dynamic_cp.runtime.step_plans import build_cost_model, cp_sizes_of, make_plan_fn
+from dynamic_cp.runtime.step_plans import cp_sizes_of
 from dynamic_cp.runtime.step_stats import StepTimeline
 
 
@@ -83,11 +88,16 @@ class DistributedTrainer(Trainer):
             # wrapper's own state (the live one is in its inner AdamW); state_dict() rebuilds the
             # full state from the per-rank gathers, so the copy only costs memory.
             self.optimizer.state.clear()
-        self.cost_model = build_cost_model(cfg, self.model.config)
+        # The planner's cost model starts from parallel.hardware and learns from the run
+        # (dynamic_cp/runtime/cost_learning.py); plans carry the layouts they were priced with.
+        resume_dir = resolve_checkpoint(resume) if resume is not None else None
+        self.learner = build_learner(cfg, self.model.config, world, self.device, self.step, resume_dir)
+        self.cost_model = self.learner.prior
         # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
         splits = self.cost_model.cp_layout if cfg.parallel.cp_method == "auto" else None
         self.groups = build_cp_groups(world, cp_sizes_of(cfg, self.world_size), splits)
-        self.plan_fn = make_plan_fn(cfg, self.cost_model, self.world_size)
+        self.plan_fn = self.learner.plan
+        self._overhead_s: list[float] = []  # measured step minus compute window, recent steps
         self.stride = vae_stride(cfg.data)
         failures = getattr(self.train_set, "failures", None)
         # found while building the dataset: the same on every rank, so counted once
@@ -100,6 +110,12 @@ class DistributedTrainer(Trainer):
             super()._truncate_metrics(step)
 
     def log(self, record: dict) -> None:
+        if "compute_s" in record and "step_s" in record:
+            # predicted step = predicted compute window + the recent median of what lies outside it
+            # (routing, all-reduce, optimizer), which the cost model does not price
+            if self._overhead_s:
+                record["predicted_step_s"] = record["predicted_s"] + statistics.median(self._overhead_s)
+            self._overhead_s = [*self._overhead_s[-19:], record["step_s"] - record["compute_s"]]
         if self.is_main:
             super().log(record)
 
@@ -122,7 +138,12 @@ class DistributedTrainer(Trainer):
             self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
         try:
             # Replicas are identical (and the moments gathered), so rank 0's state is everyone's.
-            return super().save() if self.is_main else None
+            if not self.is_main:
+                return None
+            step_dir = super().save()
+            (step_dir / STATE_FILE).write_text(json.dumps(self.learner.state_dict()))
+            self.learner.save(self.out, self.step)
+            return step_dir
         finally:
             if sharded:
                 # torch keeps the gathered moments of every rank on rank 0 until the next gather
@@ -165,14 +186,17 @@ class DistributedTrainer(Trainer):
         local_loss = 0.0
         for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
             ready = time.perf_counter() - t0
-            attention, shard = self._cp_attention(ranks, [c.num_tokens for c in clips], heads)
+            layout = batch.plan.info["layouts"][m]
+            attention, shard = self._cp_attention(ranks, [c.num_tokens for c in clips], heads, layout)
             token_range = (shard.start, shard.end) if len(ranks) > 1 else None
-            with self.autocast():
-                loss = micro_batch_loss(self.model, clips, attention, batch.num_clips, token_range)
-            loss.backward()
+            clock = CommClock(self.device)  # seconds in this micro-batch's CP collectives
+            with clock.active():
+                with self.autocast():
+                    loss = micro_batch_loss(self.model, clips, attention, batch.num_clips, token_range)
+                loss.backward()
             local_loss += loss.item()
             self._sync()
-            timeline.record(m, ready, time.perf_counter() - t0)
+            timeline.record(m, ready, time.perf_counter() - t0, clock.seconds())
         timeline.finish(time.perf_counter() - t0)
         failures = getattr(self.train_set, "failures", None)
         # Broken files found while loading: each rank sees only its share of the clips, so the
@@ -184,6 +208,13 @@ class DistributedTrainer(Trainer):
             check_world_failures(failures, self._build_failures + int(reduced[0]))
         gathered = reduced[1:]
         metrics = self.finish_step(total_loss)
+        t_learn = time.perf_counter()
+        measured = timeline.micro_batch_seconds(gathered)
+        refit = self.learner.observe(batch.step, batch.plan, batch.lengths, measured)
+        if refit and self.is_main:
+            self.learner.save(self.out, batch.step + 1)
+        if self.is_main and (batch.step + 1) % self.cfg.train.log_every == 0:
+            write_timeline(self.out, batch.step + 1, batch.plan, batch.lengths, self.learner.model, measured)
         hist = batch.plan.cp_histogram()
         return {
             **metrics,
@@ -192,14 +223,17 @@ class DistributedTrainer(Trainer):
             "cp_layouts": self._layout_histogram(batch),
             "predicted_s": batch.plan.predicted_step_s,
             **timeline.summarize(gathered),
+            "explore_s": batch.plan.info.get("explore_s", 0.0),
+            "cost_model_step": batch.plan.info.get("model_step", 0),
+            "learn_s": time.perf_counter() - t_learn,
             "plan_ms": batch.plan.solver_ms,
             **{k: round(v, 6) for k, v in batch.timings.items()},
         }
 
-    def _cp_attention(self, ranks, lengths: list[int], heads: int):
-        """(attention, shard) for one micro-batch in the layout the cost model priced for it: the
-        planner's prices and what runs are the same split (``CostModel.layout``)."""
-        u, r = self.cost_model.layout(lengths, len(ranks))
+    def _cp_attention(self, ranks, lengths: list[int], heads: int, layout: tuple[int, int]):
+        """(attention, shard) for one micro-batch in the layout its plan priced for it (the cost
+        model's ``layout``, or an exploratory one): the planner's prices and what runs agree."""
+        u, r = layout
         sub_groups = self.groups.sub_groups(ranks, u) if u > 1 and r > 1 else None
         return make_cp_attention(
             self.groups.get(ranks), lengths, num_heads=heads, layout=(u, r), sub_groups=sub_groups
@@ -208,9 +242,8 @@ class DistributedTrainer(Trainer):
     def _layout_histogram(self, batch: StepBatch) -> dict[str, int]:
         """ "UxR" -> micro-batches of the plan (all ranks) that run Ulysses U x ring R, CP > 1 only."""
         hist: dict[str, int] = {}
-        for ranks, ids in batch.plan.micro_batches:
+        for (ranks, _), (u, r) in zip(batch.plan.micro_batches, batch.plan.info["layouts"]):
             if len(ranks) > 1:
-                u, r = self.cost_model.layout([batch.lengths[i] for i in ids], len(ranks))
                 hist[f"{u}x{r}"] = hist.get(f"{u}x{r}", 0) + 1
         return dict(sorted(hist.items()))
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from dit.config import Config
 from dynamic_cp.planning.baselines import static_plan
-from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.cost_model import CostModel, Hardware
 from dynamic_cp.planning.groups_layout import default_cp_sizes, normalize_cp_sizes
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.planner import plan as dynamic_plan
@@ -39,8 +39,14 @@ def cap_tokens_of(cfg: Config) -> int:
     return cfg.parallel.cap_tokens if cfg.parallel.cap_tokens is not None else cfg.train.micro_batch_tokens
 
 
-def build_cost_model(cfg: Config, model_config) -> CostModel:
-    """Cost model of the configured VideoDiT on the configured hardware profile."""
+def build_cost_model(cfg: Config, model_config, hardware: Hardware | None = None) -> CostModel:
+    """Cost model of the configured VideoDiT on ``hardware`` (default: the configured profile; with
+    ``parallel.hardware: auto`` the runtime measures one, ``dynamic_cp/runtime/auto_hardware.py``)."""
+    if hardware is None and cfg.parallel.hardware == "auto":
+        raise ValueError(
+            "parallel.hardware=auto is resolved by the runtime at start-up; pass the measured profile "
+            "or set parallel.hardware to a profile name (h100, h200, a100) or a yaml path"
+        )
     heads = model_config.num_attention_heads
     text = HASHED_TEXT_TOKENS if cfg.data.text_encoder == "hashed" else cfg.data.text_max_length
     return CostModel.from_dims(
@@ -49,7 +55,7 @@ def build_cost_model(cfg: Config, model_config) -> CostModel:
         ffn=model_config.ffn_dim,
         heads=heads,
         text_tokens=text,
-        hardware=cfg.parallel.hardware,
+        hardware=hardware if hardware is not None else cfg.parallel.hardware,
         comm=cfg.parallel.cp_method,
     )
 

@@ -1,0 +1,328 @@
+"""The planner learns the cluster it runs on: observe executed micro-batches, refit, plan with the fit.
+
+    plan(step s)  -> from the newest model whose ``effective step`` <= s (the prior at first)
+    observe(s)    <- every executed micro-batch of step s: lengths, CP size, layout, node span,
+                     measured seconds and collective seconds (``StepTimeline``, gathered for free in
+                     the step's gradient all-reduce, so every rank holds the same numbers)
+    every K steps -> ``CostModel.fit(window of observations, prior)``, used from step s + 1 + lag on
+                     (and after 2, 4, 8, ... steps of the run before the first K)
+
+Determinism: plans must be identical on every rank, and with ``parallel.plan_ahead`` the plan of step
+s+1 runs in a thread while step s computes. So nothing the thread reads changes under it: every
+model (and every exploration count) is published with the step it takes effect from, s + 1 + lag
+(lag = 1 with plan-ahead: the plan of s+1 was started before step s ended), and a plan of step t uses
+the newest one effective at t, whenever the thread happens to run.
+
+Exploration (dynamic mode, bounded): while a (CP size, Ulysses x ring layout) of the allowed set has
+fewer than ``MIN_OBSERVATIONS`` observations, each plan may change one micro-batch to run it: a
+micro-batch of that size switches layout, or one of another size moves to the aligned block of that
+size around it (if it fits the cap). The change is taken only if the model predicts it adds at most
+``explore_budget`` of the step; its predicted cost is logged (``explore_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from pathlib import Path
+
+from dynamic_cp.planning.cost_fit import Observation
+from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.groups_layout import blocks_of_size
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.simulator import simulate, spans_nodes
+
+MIN_OBSERVATIONS = 3  # per (CP size, layout) before exploration stops asking for it
+MAX_OBSERVATIONS = 1024  # the fit's window: recent micro-batches (the cluster may drift)
+PROFILE_FILE = "learned_profile.yaml"
+TIMELINES_FILE = "timelines.jsonl"
+
+
+class CostLearner:
+    """Online cost model of one run; ``plan`` is the runtime's plan function."""
+
+    def __init__(
+        self,
+        prior: CostModel,
+        make_plan: Callable[[CostModel, list[int]], Plan],
+        *,
+        start_step: int,
+        plan_lag: int,
+        learn: bool = True,
+        refit_every: int = 10,
+        explore: bool = True,
+        explore_budget: float = 0.1,
+        cp_sizes: tuple[int, ...] = (1,),
+        cap_tokens: float = float("inf"),
+        skip_steps: int = 1,
+    ):
+        self.prior = prior
+        self.make_plan = make_plan
+        self.learn, self.refit_every = learn, refit_every
+        self.explore = explore and learn
+        self.explore_budget = explore_budget
+        self.cp_sizes, self.cap_tokens = cp_sizes, cap_tokens
+        self.plan_lag = plan_lag
+        self.first_step = start_step
+        self.skip_steps = skip_steps  # first steps of a run pay one-off costs (allocation, warm-up)
+        self._next_plan_step = start_step
+        self._lock = threading.Lock()
+        # (effective step, model) and (effective step, counts); plans read, the main thread appends
+        self._models: list[tuple[int, CostModel]] = [(start_step, prior)]
+        self._counts: list[tuple[int, dict]] = [(start_step, {})]
+        self.observations: deque[Observation] = deque(maxlen=MAX_OBSERVATIONS)
+        self._seen: Counter = Counter()
+        self.num_refits = 0
+        self.wanted = [(c, lay) for c in cp_sizes for lay in prior.cp_layout(c)]
+
+    # ------------------------------------------------------------------------------ planning side
+
+    @property
+    def model(self) -> CostModel:
+        """Newest fitted model (what the next refit publishes)."""
+        return self._models[-1][1]
+
+    def _at(self, versions: list, step: int) -> tuple:
+        """(effective step, value) of the newest version effective at ``step``."""
+        with self._lock:
+            return next((eff, v) for eff, v in reversed(versions) if eff <= step)
+
+    def plan(self, lengths: list[int]) -> Plan:
+        """Plan of the next step (calls come in step order, from one thread at a time)."""
+        step = self._next_plan_step
+        self._next_plan_step += 1
+        model_step, model = self._at(self._models, step)
+        plan = self.make_plan(model, lengths)
+        plan.info["layouts"] = [
+            model.layout([lengths[i] for i in ids], len(r)) for r, ids in plan.micro_batches
+        ]
+        plan.info["model_step"] = model_step
+        plan.info["explore_s"] = 0.0
+        if self.explore:
+            self._explore(plan, lengths, model, self._at(self._counts, step)[1])
+        return plan
+
+    def _explore(self, plan: Plan, lengths, model: CostModel, counts: dict) -> None:
+        running = {(len(r), tuple(lay)) for (r, _), lay in zip(plan.micro_batches, plan.info["layouts"])}
+        # keys this plan runs anyway get observed without help
+        missing = [k for k in self.wanted if counts.get(k, 0) < MIN_OBSERVATIONS and k not in running]
+        if not missing or not plan.micro_batches:
+            return
+        c, layout = missing[0]
+        base = plan.predicted_step_s
+        best = None  # (extra seconds, micro-batch index, ranks)
+        gpn = model.hw.gpus_per_node
+        for m, (ranks, ids) in enumerate(plan.micro_batches):
+            L = [lengths[i] for i in ids]
+            if len(ranks) == c:
+                extra = _layout_time(model, L, c, layout, spans_nodes(ranks, gpn)) - model.micro_batch_time(
+                    L, c, spans_nodes(ranks, gpn)
+                )
+                cand = (max(extra, 0.0), m, ranks)
+            else:
+                if sum(L) > self.cap_tokens * c:
+                    continue
+                block = next(b for b in blocks_of_size(plan.world_size, c) if ranks[0] in b)
+                moved = Plan(list(plan.micro_batches), plan.world_size, plan.cap_tokens)
+                moved.micro_batches[m] = (block, ids)
+                step = simulate(moved, lengths, model, timeline=False).step_s
+                own = model.micro_batch_time(L, c, spans_nodes(block, gpn))
+                layout_extra = (
+                    _layout_time(model, L, c, layout, spans_nodes(block, gpn)) - own if c > 1 else 0.0
+                )
+                cand = (max(step - base, 0.0) + max(layout_extra, 0.0), m, block)
+            if best is None or cand[0] < best[0]:
+                best = cand
+        if best is None or best[0] > self.explore_budget * base:
+            return
+        extra, m, ranks = best
+        plan.micro_batches[m] = (ranks, plan.micro_batches[m][1])
+        plan.info["layouts"][m] = layout
+        plan.info["explore_s"] = extra
+        plan.info["explored"] = f"cp{c} {layout[0]}x{layout[1]}"
+        plan.predicted_step_s = base + extra
+
+    # ------------------------------------------------------------------------------ learning side
+
+    def observe(
+        self, step: int, plan: Plan, lengths: list[int], measured: list[tuple[float, float, float]]
+    ) -> bool:
+        """Record step ``step``'s micro-batches ((start, seconds, comm seconds) each, plan order);
+        refit on schedule. Returns whether a new model was published."""
+        if step - self.first_step >= self.skip_steps:
+            gpn = self.prior.hw.gpus_per_node
+            for (ranks, ids), layout, (_, secs, comm) in zip(
+                plan.micro_batches, plan.info["layouts"], measured
+            ):
+                if secs <= 0:
+                    continue
+                obs = Observation(
+                    tuple(lengths[i] for i in ids),
+                    len(ranks),
+                    tuple(layout),
+                    spans_nodes(ranks, gpn),
+                    secs,
+                    comm,
+                )
+                self.observations.append(obs)
+                self._seen[(obs.cp, obs.layout)] += 1
+        effective = step + 1 + self.plan_lag
+        with self._lock:
+            self._counts.append((effective, dict(self._seen)))
+            del self._counts[:-4]  # a plan never looks back further than the lag
+        if not self.learn or not self.observations or not self.refit_due(step + 1):
+            return False
+        fitted = self.prior.fit(list(self.observations))
+        with self._lock:
+            self._models.append((effective, fitted))
+            del self._models[:-4]
+        self.num_refits += 1
+        return True
+
+    def refit_due(self, steps_done: int) -> bool:  # steps of the run (absolute, so resume agrees)
+        """Every ``refit_every`` steps, and at 2, 4, 8, ... steps before that: the prior is most
+        wrong at the start, when a fit of few observations is also cheapest."""
+        k = self.refit_every
+        return steps_done % k == 0 or (
+            steps_done < k and steps_done & (steps_done - 1) == 0 and steps_done > 1
+        )
+
+    # ------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """JSON-able state for exact resume: prior, published models and counts, the window."""
+
+        def hw(m: CostModel) -> dict:
+            return {k: getattr(m.hw, k) for k in m.hw.__dataclass_fields__}
+
+        with self._lock:
+            return {
+                "prior": hw(self.prior),
+                "models": [[eff, hw(m)] for eff, m in self._models],
+                "counts": [
+                    [eff, [[c, list(lay), n] for (c, lay), n in sorted(cnt.items())]]
+                    for eff, cnt in self._counts
+                ],
+                "seen": [[c, list(lay), n] for (c, lay), n in sorted(self._seen.items())],
+                "observations": [o.to_dict() for o in self.observations],
+                "num_refits": self.num_refits,
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        def model(raw: dict) -> CostModel:
+            return CostModel(self.prior.dims, Hardware(**raw), self.prior.comm)
+
+        def counts(rows) -> dict:
+            return {(int(c), tuple(lay)): int(n) for c, lay, n in rows}
+
+        self.prior = model(state["prior"])
+        with self._lock:
+            self._models = [(int(eff), model(raw)) for eff, raw in state["models"]]
+            self._counts = [(int(eff), counts(rows)) for eff, rows in state["counts"]]
+        self._seen = Counter(counts(state["seen"]))
+        self.observations.clear()
+        self.observations.extend(Observation.from_dict(o) for o in state["observations"])
+        self.num_refits = int(state["num_refits"])
+
+    # ------------------------------------------------------------------------------ files
+
+    def save(self, run_dir: Path, step: int) -> Path:
+        """Write the newest model as a hardware profile (``simulate --hardware <it>`` reads it)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / PROFILE_FILE
+        header = (
+            f"# Learned by the training run at step {step} from {len(self.observations)} micro-batches\n"
+            f"# (prior: {self.prior.hw.name}); reloaded on --resume, usable as simulate --hardware {path}\n"
+        )
+        path.write_text(header + self.model.hw.to_yaml())
+        return path
+
+
+def _layout_time(model: CostModel, L, c: int, layout, cross: bool) -> float:
+    """Micro-batch seconds when it runs ``layout`` rather than the cheapest one."""
+    import numpy as np
+
+    base = model.micro_batch_time(L, c, cross)
+    if c <= 1:
+        return base
+    Ls = np.asarray(L, dtype=np.float64)
+    attn = model._attn_time(Ls, c).sum()
+    layouts, times = model._layout_times(Ls.sum(), c, attn, cross)
+    cheapest = float(times.min())
+    return base - cheapest + float(times[layouts.index(tuple(layout))])
+
+
+def write_timeline(run_dir: Path, step: int, plan: Plan, lengths, model: CostModel, measured) -> None:
+    """Planned and measured start/seconds of every micro-batch of ``step`` (for the Gantt chart)."""
+    planned = simulate(plan, lengths, model)
+    starts = {i: s for segs in planned.rank_segments for s, _, i in segs}
+    rows = []
+    for m, ((ranks, ids), (start, secs, comm)) in enumerate(zip(plan.micro_batches, measured)):
+        rows.append(
+            {
+                "ranks": list(ranks),
+                "lengths": [int(lengths[i]) for i in ids],
+                "layout": list(plan.info.get("layouts", [(1, 1)] * len(measured))[m]),
+                "start": round(start, 6),
+                "seconds": round(secs, 6),
+                "comm_s": round(comm, 6),
+                "planned_start": round(starts.get(m, 0.0), 6),
+                "planned_s": round(planned.mb_times[m], 6),
+            }
+        )
+    record = {"step": step, "world_size": plan.world_size, "micro_batches": rows}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / TIMELINES_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def load_prior(hardware: str, run_dir: Path, resume: bool) -> Hardware | None:
+    """The learned profile of this run when resuming with ``hardware: auto``, else None."""
+    path = run_dir / PROFILE_FILE
+    if resume and hardware == "auto" and path.exists():
+        return Hardware.load(str(path))
+    return None
+
+
+STATE_FILE = "cost_learning.json"  # in each checkpoint directory: the learner's state for exact resume
+
+
+def build_learner(cfg, model_config, world, device, start_step: int, resume_dir: Path | None) -> CostLearner:
+    """The run's learner: prior from ``parallel.hardware`` ('auto', a name or a path), state restored
+    from the checkpoint being resumed (so a resumed run plans exactly as the uninterrupted one)."""
+    from dynamic_cp.runtime.auto_hardware import auto_hardware
+    from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, cp_sizes_of, make_plan_fn
+
+    p = cfg.parallel
+    world_size = world.size() if world is not None else 1
+    saved = resume_dir / STATE_FILE if resume_dir is not None else None
+    hw = None
+    if p.hardware == "auto":
+        learned = Path(cfg.output_dir) / PROFILE_FILE
+        if saved is not None and saved.exists():
+            hw = None  # restored below with the rest of the state
+        elif resume_dir is not None and learned.exists():
+            hw = Hardware.load(str(learned))
+        else:
+            base = build_cost_model(cfg, model_config, Hardware.load("h100"))
+            hw = auto_hardware(base.dims, device, world)
+    prior = build_cost_model(
+        cfg, model_config, hw or (Hardware.load("h100") if p.hardware == "auto" else None)
+    )
+    learner = CostLearner(
+        prior,
+        lambda model, lengths: make_plan_fn(cfg, model, world_size)(lengths),
+        start_step=start_step,
+        plan_lag=1 if p.plan_ahead else 0,
+        learn=p.learn_costs,
+        refit_every=p.refit_every,
+        explore=p.mode == "dynamic" and p.explore_budget > 0,
+        explore_budget=p.explore_budget,
+        cp_sizes=cp_sizes_of(cfg, world_size),
+        cap_tokens=cap_tokens_of(cfg),
+    )
+    if saved is not None and saved.exists():
+        learner.load_state_dict(json.loads(saved.read_text()))
+    return learner

@@ -1,0 +1,166 @@
+"""Online cost learning in the runtime: refits take effect at a fixed step whatever the plan-ahead
+thread does, exploration is bounded and keeps plans valid, and on 4 gloo ranks every rank fits
+bitwise the same coefficients and plans identically; the learned profile feeds the simulator."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from dit.config import load_config
+from dynamic_cp.planning.cost_fit import Observation
+from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.cost_recovery import true_cluster
+from dynamic_cp.planning.plan_types import Plan, plan_violations
+from dynamic_cp.planning.planner import plan as dynamic_plan
+from dynamic_cp.runtime.cost_learning import PROFILE_FILE, CostLearner
+from dynamic_cp.runtime.testing import run_gloo
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+PRIOR = CostModel.from_name("wan-1.3b", "h100")
+W, CAP = 8, 40000
+
+
+def _learner(**kw) -> CostLearner:
+    return CostLearner(
+        PRIOR,
+        lambda model, lengths: dynamic_plan(lengths, W, CAP, model, cp_sizes=(1, 2, 4, 8)),
+        cp_sizes=(1, 2, 4, 8),
+        cap_tokens=CAP,
+        **kw,
+    )
+
+
+def _measure(plan: Plan, lengths, true: CostModel) -> list[tuple[float, float, float]]:
+    return [
+        (0.0, true.micro_batch_time([lengths[i] for i in ids], len(r)), 0.0) for r, ids in plan.micro_batches
+    ]
+
+
+@pytest.mark.parametrize("plan_lag", [0, 1])
+def test_refit_takes_effect_at_a_fixed_step(plan_lag):
+    """A refit after step s is used by the plan of step s + 1 + lag, not before (with plan-ahead the
+    plan of s + 1 may already have run), so every rank's thread plans with the same model."""
+    true = true_cluster(PRIOR)
+    learner = _learner(start_step=0, plan_lag=plan_lag, refit_every=2, skip_steps=0, explore=False)
+    lengths = [30000, 20000, 9000, 5000, 3000, 2000, 1000, 800] * 2
+    plans = [learner.plan(lengths) for _ in range(1 + plan_lag)]  # what is planned before step 0 ends
+    for s in range(4):
+        assert learner.observe(s, plans[s], lengths, _measure(plans[s], lengths, true)) == (s % 2 == 1)
+        plans.append(learner.plan(lengths))
+    versions = [p.info["model_step"] for p in plans]
+    assert versions[: 2 + plan_lag] == [0] * (2 + plan_lag)
+    assert versions[2 + plan_lag] == 2 + plan_lag  # refit after step 1, effective at 1 + 1 + lag
+    assert learner.model.hw != PRIOR.hw
+
+
+def test_exploration_is_bounded_and_keeps_plans_valid():
+    learner = _learner(start_step=0, plan_lag=0, explore_budget=0.5)
+    lengths = [25000] * 32  # 4 clips a rank, each fits one: the planner alone runs them at CP 1
+    plan = learner.plan(lengths)
+    assert plan_violations(plan, lengths, CAP, (1, 2, 4, 8)) == []
+    # one micro-batch runs a CP size the planner did not pick, to learn its cost
+    assert plan.info["explored"].startswith("cp2 ")
+    assert any(len(r) == 2 for r, _ in plan.micro_batches)
+    assert 0 <= plan.info["explore_s"] <= 0.5 * (plan.predicted_step_s - plan.info["explore_s"]) + 1e-12
+    # once every (size, layout) has been seen enough, exploration stops
+    for c, layout in learner.wanted:
+        learner._seen[(c, layout)] = 10
+    learner.observe(0, plan, lengths, [(0.0, 0.0, 0.0)] * len(plan.micro_batches))
+    assert "explored" not in learner.plan(lengths).info
+    frozen = _learner(start_step=0, plan_lag=0, learn=False)
+    assert "explored" not in frozen.plan(lengths).info  # learn_costs=false: no exploration either
+
+
+def test_state_round_trips_for_exact_resume():
+    learner = _learner(start_step=0, plan_lag=1, refit_every=1, skip_steps=0)
+    lengths = [30000, 9000, 3000, 800] * 4
+    true = true_cluster(PRIOR)
+    for s in range(3):
+        p = learner.plan(lengths)
+        learner.observe(s, p, lengths, _measure(p, lengths, true))
+    state = json.loads(json.dumps(learner.state_dict()))
+    again = _learner(start_step=3, plan_lag=1)
+    again.load_state_dict(state)
+    assert again.model.hw == learner.model.hw and again.prior.hw == learner.prior.hw
+    assert list(again.observations) == list(learner.observations)
+    learner._next_plan_step = 3
+    a, b = learner.plan(lengths), again.plan(lengths)
+    assert a.micro_batches == b.micro_batches and a.info == b.info
+
+
+# ---------------------------------------------------------------------------------------- 4 ranks
+
+
+def _overrides(out: str) -> list[str]:
+    items = {
+        "output_dir": out,
+        "model.overrides": "{num_layers: 2, patch_size: [1, 4, 4]}",
+        "data.num_clips": 64,
+        "data.num_val_clips": 1,
+        "data.frame_counts": "[1, 5]",
+        "data.resolutions": "[[16, 16], [32, 16]]",
+        "flow.val_sigmas": "[0.5]",
+        "train.global_batch_size": 8,
+        "train.micro_batch_tokens": 200,
+        "train.log_every": 1,
+        "train.max_steps": 4,
+        "train.checkpoint_every": 4,
+        "parallel.mode": "dynamic",
+        "parallel.cap_tokens": 96,
+        "parallel.hardware": "auto",  # a CPU measurement at start-up, averaged over the ranks
+        "parallel.refit_every": 1,
+        "parallel.explore_budget": 1.0,
+    }
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def _worker(rank: int, world_size: int, root: str) -> dict:
+    from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
+
+    try:
+        trainer = DistributedTrainer(load_config(CONFIG, _overrides(root)), dist.group.WORLD)
+        batches = trainer.data_iterator()
+        plans, models = [], []
+        for _ in range(4):
+            batch = next(batches)
+            plans.append(json.dumps([batch.plan.micro_batches, batch.plan.info]))
+            trainer.train_step(batch)
+            trainer.step += 1
+            models.append(json.dumps(trainer.learner.state_dict()["models"]))
+        batches.close()
+        trainer.save()
+        return {"plans": plans, "models": models, "refits": trainer.learner.num_refits}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+@pytest.mark.timeout(900)  # 4 spawned ranks on a shared 2-core machine
+def test_four_ranks_fit_bitwise_equal_coefficients_and_identical_plans(tmp_path):
+    out = run_gloo(_worker, 4, str(tmp_path / "run"), timeout_s=400)
+    for r, res in enumerate(out):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    assert out[0]["refits"] >= 2
+    for res in out[1:]:
+        assert res["models"] == out[0]["models"]  # JSON of floats: repr round-trips, so bitwise
+        assert res["plans"] == out[0]["plans"]
+    # the learned profile is a hardware profile: the simulator and the cost model read it
+    profile = tmp_path / "run" / PROFILE_FILE
+    hw = Hardware.load(str(profile))
+    assert hw.name.startswith("learned-")
+    from dynamic_cp.simulate import main as simulate_main
+
+    # (--cap: the profile's memory is this machine's RAM, too small for wan-1.3b's longest clips)
+    args = ["--workload", "opensora", "--gpus", "8", "--cap", "100000", "--hardware", str(profile)]
+    assert simulate_main(args) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000004" / "cost_learning.json"
+    assert json.loads(ckpt.read_text())["observations"]  # what a resumed run restores
+
+
+def test_unused_observation_fields_are_checked():
+    with pytest.raises(ValueError):
+        Observation((), 1, (1, 1), False, 1.0)
