@@ -21,7 +21,7 @@ from dit.config import Config
 from dit.model import VideoDiT
 from dit.setup import build_datasets, clip_tokens, vae_stride
 from dit.sizes import model_kwargs
-from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.cost_model import CostModel, Hardware
 from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
 
 GB = 1e9
@@ -147,7 +147,13 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
         except ValueError as err:
             problems.append(f"data: {err}")
 
-    cost_model = build_cost_model(cfg, model.config)
+    hardware = None
+    if cfg.parallel.hardware == "auto":  # measured by the run itself; a dry run prices the usual target
+        hardware = Hardware.load("h100")
+        echo(
+            "parallel.hardware=auto: priced with the h100 profile (the run measures its device, then learns)"
+        )
+    cost_model = build_cost_model(cfg, model.config, hardware)
     mem = memory_estimate(cfg, model, cost_model, world_size)
     parts = ", ".join(
         f"{k} {_gb(mem[k])}" for k in ("weights", "gradients", "optimizer", "ema", "activations")

@@ -36,7 +36,7 @@ class FakeModel:
 def _save(root, step, keep=3, ema=True):
     return save_checkpoint(
         root, step, FakeModel(f"model {step}"), FakeModel(f"ema {step}") if ema else None,
-        {"bad_steps": step % 2}, {"seed": 1}, keep,
+        {"optimizer": {}, "lr_schedule": {}, "bad_steps": step % 2}, {"seed": 1}, keep,
     )  # fmt: skip
 
 
