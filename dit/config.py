@@ -22,6 +22,8 @@ class ModelConfig:
     overrides: dict = field(default_factory=dict)  # VideoDiT config fields that replace the size's values
     pretrained: str | None = None  # local directory with our or a diffusers Wan transformer to start from
     gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
+    # torch.compile each transformer block (dynamic shapes; attention stays eager): dit/compile.py
+    compile: bool = False
 
     def __post_init__(self):
         from dit.sizes import MODEL_SIZES
@@ -88,7 +90,9 @@ class TrainConfig:
     warmup_steps: int = 20  # linear warm-up steps, then constant
     grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
     ema_decay: float = 0.99  # EMA of the weights used for sampling; 0 disables it
-    mixed_precision: str = "bf16"  # 'bf16' autocast on CUDA, or 'no'; CPU always runs fp32
+    mixed_precision: str | bool = (
+        "auto"  # 'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' (any device) or 'no'
+    )
     seed: int = 0  # seed of initialization, noise and timesteps
     log_every: int = 10  # steps between metric lines
     val_every: int = 50  # steps between validation losses
@@ -107,8 +111,10 @@ class TrainConfig:
             raise ValueError(f"train.lr={self.lr} must be positive")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
-        if self.mixed_precision not in ("bf16", "no"):
-            raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'bf16' or 'no'")
+        if self.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` as false
+            self.mixed_precision = "no"
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'auto', 'bf16' or 'no'")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas={self.betas} must be two numbers")
 

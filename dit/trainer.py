@@ -34,6 +34,13 @@ from dit.optim import build_lr_schedule, build_optimizer
 from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
 
 
+def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``train.mixed_precision`` on ``device``; None runs fp32."""
+    if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
 def keep_list(samples: list) -> list:
     """DataLoader collate: clips have different shapes, so a batch stays a list."""
     return samples
@@ -137,9 +144,11 @@ class Trainer:
     # ----------------------------------------------------------------------------- one step
 
     def autocast(self):
-        if self.device.type == "cuda" and self.cfg.train.mixed_precision == "bf16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """bf16 autocast on explicit 'bf16' (CPU too: the tests run the casts a GPU run does) or on
+        CUDA under 'auto'; fp32 weights, gradients and optimizer states either way."""
+        if autocast_dtype(self.cfg.train.mixed_precision, self.device) is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def prepare(self, samples: list[dict], step: int) -> list[TrainClip]:
         c = self.cfg
