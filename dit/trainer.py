@@ -26,6 +26,7 @@ from dit.checkpoint import (
     set_rng_state,
 )
 from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
+from dit.compile import compile_blocks
 from dit.config import Config, to_dict
 from dit.ema import EMA
 from dit.flops import train_step_flops
@@ -80,6 +81,8 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
         self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        if cfg.model.compile:  # after the EMA copy: the EMA model only samples, eagerly
+            compile_blocks(self.model)
         self.step = 0
         self.bad_steps = 0
         self._val_clips: list[list[TrainClip]] | None = None

@@ -87,12 +87,14 @@ def attention_fwd_lse(
     cu_k: torch.Tensor,
     max_q: int | None = None,
     max_k: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (nq, h, d), k/v (nk, h, d) -> out (nq, h, d) in q's dtype, lse (h, nq) fp32. Scale 1/sqrt(d).
 
     max_q/max_k: longest segments, for offsets a caller already keeps on the device (see ``_maxima``).
+    backend: one of ``dit.attention.BACKENDS`` to force (bench/gpu_check.py); default the dispatch's.
     """
-    backend = attention_backend(q)
+    backend = backend or attention_backend(q)
     if backend != "sdpa":
         max_q, max_k = _maxima(cu_q, cu_k, max_q, max_k)
         cu_q = cu_q.to(device=q.device, dtype=torch.int32)
@@ -200,14 +202,15 @@ def attention_bwd_lse(
     cu_k: torch.Tensor,
     max_q: int | None = None,
     max_k: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient of one K/V block's share of an attention whose *final* output and LSE are given.
 
     dout/out (nq, h, d) and lse (h, nq) are the merged results over all blocks; the softmax of this
     block is then exp(s - lse), which is what makes the per-block gradients sum to the exact one.
-    Returns dq (nq, h, d), dk/dv (nk, h, d) in q's dtype.
+    Returns dq (nq, h, d), dk/dv (nk, h, d) in q's dtype. backend: as in ``attention_fwd_lse``.
     """
-    backend = attention_backend(q)
+    backend = backend or attention_backend(q)
     if backend == "flash_attn":
         return _flash_bwd(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k)
     if backend == "torch_varlen":
