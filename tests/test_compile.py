@@ -16,7 +16,7 @@ import torch._dynamo
 import torch._inductor.config
 
 from dit.attention import PackedAttention, cu_seqlens_from_lengths
-from dit.batching import GlobalBatchSampler
+from dit.batching import GlobalBatchSampler, pack_by_token_budget
 from dit.compile import compile_blocks, recompiles
 from dit.config import load_config
 from dit.model import DiTBlock
@@ -92,23 +92,30 @@ def test_config_compile_compiles_blocks_in_place():
 def test_thirty_steps_of_new_packings_recompile_at_most_three_times(tmp_path):
     overrides = [
         f"output_dir={tmp_path}",
-        "model.overrides={num_layers: 2, num_attention_heads: 2, attention_head_dim: 16, ffn_dim: 64}",
+        "model.overrides={num_layers: 2, num_attention_heads: 2, attention_head_dim: 16, ffn_dim: 64, "
+        "patch_size: [1, 4, 4]}",
         "data.num_clips=64",
-        "data.frame_counts=[1, 3, 5, 7]",
-        "data.resolutions=[[16, 16], [16, 24], [24, 8]]",
-        "train.global_batch_size=3",
-        "train.micro_batch_tokens=40",  # 1 to 3 clips per micro-batch
+        "data.frame_counts=[1, 3, 5, 7]",  # x 16, 12 or 24 tokens a frame: clips of 12 to 168 tokens
+        "data.resolutions=[[16, 16], [16, 12], [24, 16]]",
+        "train.global_batch_size=4",
+        "train.micro_batch_tokens=64",  # micro-batches of 1 to 4 clips
+        "train.ema_decay=0",
     ]
     cfg = load_config(CONFIG, overrides)
     trainer = Trainer(cfg, device=torch.device("cpu"))
     compile_blocks(trainer.model, backend="aot_eager")
     sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
-    packings = set()
+    micro_batches = set()  # (tokens per clip) of every micro-batch run
     for step in range(30):
         clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(step)], step)
         trainer.train_step(clips)
-        packings.add(tuple(c.num_tokens for c in clips))
-    assert len(packings) >= 10, f"only {len(packings)} distinct packings: the test would prove little"
+        lengths = [c.num_tokens for c in clips]
+        for group in pack_by_token_budget(lengths, cfg.train.micro_batch_tokens):
+            micro_batches.add(tuple(lengths[i] for i in group))
+    shapes = {(len(m), sum(m)) for m in micro_batches}
+    assert len(shapes) >= 10 and {len(m) for m in micro_batches} >= {1, 2}, (
+        f"too few distinct micro-batch shapes for the test to prove anything: {sorted(shapes)}"
+    )
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs >= 1, "nothing was compiled"
-    assert recompiles() <= 3, f"{recompiles()} recompiles over {len(packings)} packings"
+    assert recompiles() <= 3, f"{recompiles()} recompiles over {len(shapes)} micro-batch shapes"
