@@ -27,7 +27,7 @@ PACKINGS = [
     [(5, 8, 8), (1, 8, 12), (3, 12, 8)],
     [(5, 12, 8), (5, 8, 8)],
     [(9, 8, 8), (1, 8, 8), (1, 12, 8), (3, 8, 8)],
-    [(7, 8, 12)],
+    [(7, 8, 12), (1, 8, 8)],
 ]
 
 
@@ -54,10 +54,19 @@ def main() -> None:
     ap.add_argument("--size", default="tiny", choices=sorted(MODEL_SIZES))
     ap.add_argument("--layers", type=int, default=0, help="override the size's layer count (0: keep)")
     ap.add_argument("--repeats", type=int, default=5, help="timed passes over all packings")
+    ap.add_argument("--heads", type=int, default=0, help="override the size's heads (0: keep)")
+    ap.add_argument("--head-dim", type=int, default=0, help="override the size's head dim (0: keep)")
+    ap.add_argument("--ffn", type=int, default=0, help="override the size's FFN width (0: keep)")
     args = ap.parse_args()
     cfg = {**MODEL_SIZES[args.size]}
-    if args.layers:
-        cfg["num_layers"] = args.layers
+    for key, value in (
+        ("num_layers", args.layers),
+        ("num_attention_heads", args.heads),
+        ("attention_head_dim", args.head_dim),
+        ("ffn_dim", args.ffn),
+    ):
+        if value:
+            cfg[key] = value
     torch.manual_seed(0)
     eager = VideoDiT(**cfg, adaln_zero_init=False)
     compiled = compile_blocks(copy.deepcopy(eager))
