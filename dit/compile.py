@@ -33,7 +33,11 @@ def compile_blocks(model: VideoDiT, backend: str = "inductor") -> VideoDiT:
 
 
 def recompiles() -> int:
-    """Compiled frames beyond the first, as dynamo counts them (one graph per new guard failure)."""
-    from torch._dynamo.utils import counters
+    """Compiles of a frame beyond its first, over all frames since the last ``torch._dynamo.reset()``.
 
-    return sum(counters["recompiles"].values())
+    Read from dynamo's per-frame compile counter (what its compile ids "frame/attempt" number);
+    ``torch._dynamo.utils.counters`` has no recompile entry in torch 2.13.
+    """
+    from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
+
+    return sum(max(0, n - 1) for n in FRAME_COMPILE_COUNTER.values())
