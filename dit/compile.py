@@ -33,11 +33,20 @@ def compile_blocks(model: VideoDiT, backend: str = "inductor") -> VideoDiT:
 
 
 def recompiles() -> int:
-    """Compiles of a frame beyond its first, over all frames since the last ``torch._dynamo.reset()``.
+    """How often the most-recompiled frame compiled beyond its first, since ``torch._dynamo.reset()``.
 
-    Read from dynamo's per-frame compile counter (what its compile ids "frame/attempt" number);
+    A block with graph breaks runs as several frames (its forward and one resume function per
+    break), and a new shape class recompiles each of them, so this counts block recompiles, not frame
+    recompiles (``frame_recompiles`` sums those). Read from dynamo's per-frame compile counter;
     ``torch._dynamo.utils.counters`` has no recompile entry in torch 2.13.
     """
+    from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
+
+    return max((n - 1 for n in FRAME_COMPILE_COUNTER.values()), default=0)
+
+
+def frame_recompiles() -> int:
+    """Compiles beyond the first, summed over all frames."""
     from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
 
     return sum(max(0, n - 1) for n in FRAME_COMPILE_COUNTER.values())
