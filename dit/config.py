@@ -47,6 +47,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
     lora: LoraSettings | None = None  # train LoRA adapters on a frozen base (see dit/lora.py); None = full
     lora_init: str | None = None  # a diffusers-format Wan LoRA file or folder to continue training from
+    # torch.compile each transformer block (dynamic shapes; attention stays eager): dit/compile.py
+    compile: bool = False
 
     def __post_init__(self):
         from dit.sizes import MODEL_SIZES
@@ -121,7 +123,8 @@ class TrainConfig:
     optimizer: str = "adamw"  # 'adamw', 'adamw_fused' or 'adamw_8bit' (bitsandbytes: pip .[quant])
     grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
     ema_decay: float = 0.99  # EMA of the weights used for sampling; 0 disables it
-    mixed_precision: str = "bf16"  # 'bf16' autocast on CUDA, or 'no'; CPU always runs fp32
+    # 'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' (any device) or 'no'
+    mixed_precision: str | bool = "auto"
     seed: int = 0  # seed of initialization, noise and timesteps
     log_every: int = 10  # steps between metric lines
     val_every: int = 50  # steps between validation losses
@@ -150,8 +153,10 @@ class TrainConfig:
             raise ValueError(f"train.lr={self.lr} must be positive")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
-        if self.mixed_precision not in ("bf16", "no"):
-            raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'bf16' or 'no'")
+        if self.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` as false
+            self.mixed_precision = "no"
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'auto', 'bf16' or 'no'")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas={self.betas} must be two numbers")
         if self.lr_schedule not in ("constant", "cosine", "linear"):

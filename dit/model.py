@@ -56,12 +56,29 @@ def pad_text(text: torch.Tensor, text_lens: torch.Tensor, length: int) -> tuple[
     return padded, torch.full_like(text_lens, length)
 
 
-def per_token(per_clip: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """(b, ...) -> (n, ...): repeat each clip's row for each of its tokens on this process."""
+def per_token(per_clip: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    """(b, ...) -> (n, ...): repeat each clip's row for each of its tokens on this process.
+
+    num_tokens: n when the caller knows it (a block does: x.shape[0]); under torch.compile it is a
+    symbolic size, where ``int(seq_lens.sum())`` would read a tensor and break the graph.
+    """
     if per_clip.shape[0] == 1:  # one clip: broadcasting avoids materializing n copies
         return per_clip[0]
+    n = int(seq_lens.sum()) if num_tokens is None else num_tokens
     # output_size spares CUDA a device-to-host sync to learn the result's length
-    return per_clip.repeat_interleave(seq_lens.to(per_clip.device), dim=0, output_size=int(seq_lens.sum()))
+    return per_clip.repeat_interleave(seq_lens.to(per_clip.device), dim=0, output_size=n)
+
+
+@torch.compiler.disable
+def eager_attention(attention: AttentionFn, *args) -> torch.Tensor:
+    """Call an attention function outside any torch.compile graph (a graph break under compile).
+
+    Self-attention may be a CP function whose collectives must stay out of compiled code, and every
+    varlen kernel walks the clips of the micro-batch, whose count and lengths change each step: traced,
+    they would specialize the graph on them and recompile for every new packing. In eager mode this
+    is a plain call.
+    """
+    return attention(*args)
 
 
 class RotaryEmbedding3D(nn.Module):
@@ -188,19 +205,20 @@ class DiTBlock(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:
         mod = self.scale_shift_table + modulation.float()  # (b, 6, D)
-        shift1, scale1, gate1, shift2, scale2, gate2 = (per_token(m, seq_lens) for m in mod.unbind(1))
+        n = x.shape[0]
+        shift1, scale1, gate1, shift2, scale2, gate2 = (per_token(m, seq_lens, n) for m in mod.unbind(1))
 
         # 1. self-attention over each whole clip (possibly spread over a CP group)
         h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
         q, k, v = self.attn1.project(h)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        h = self.attn1.output(attention(q, k, v))
+        h = self.attn1.output(eager_attention(attention, q, k, v))
         x = (x.float() + h * gate1).type_as(x)
 
         # 2. cross-attention: each token attends to its own clip's text, which every rank holds
         h = self.norm2(x.float()).type_as(x)
         q, k, v = self.attn2.project(h, text)
-        x = x + self.attn2.output(varlen_attention(q, k, v, cu_seqlens, text_cu_seqlens))
+        x = x + self.attn2.output(eager_attention(varlen_attention, q, k, v, cu_seqlens, text_cu_seqlens))
 
         # 3. feed-forward
         h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)

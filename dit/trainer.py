@@ -27,6 +27,7 @@ from dit.checkpoint import (
     set_rng_state,
 )
 from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
+from dit.compile import compile_blocks
 from dit.config import Config, to_dict
 from dit.device_memory import bar_text, peak_memory, reset_peak
 from dit.ema import EMA, AdapterEMA
@@ -35,6 +36,13 @@ from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
 from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
 from dit.tracking import Tracker, check_trackers_installed
+
+
+def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``train.mixed_precision`` on ``device``; None runs fp32."""
+    if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
 
 
 class Trainer:
@@ -83,6 +91,8 @@ class Trainer:
         self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
         ema_class = AdapterEMA if self.lora else EMA  # under LoRA: the adapters' averages alone
         self.ema = ema_class(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        if cfg.model.compile:  # after the EMA copy: the EMA model only samples, eagerly
+            compile_blocks(self.model)
         self.step = 0
         self.bad_steps = 0
         self._val_clips: list[list[TrainClip]] | None = None
@@ -192,13 +202,14 @@ class Trainer:
     # ----------------------------------------------------------------------------- one step
 
     def compute_dtype(self) -> torch.dtype:
-        bf16 = self.device.type == "cuda" and self.cfg.train.mixed_precision == "bf16"
-        return torch.bfloat16 if bf16 else torch.float32
+        return autocast_dtype(self.cfg.train.mixed_precision, self.device) or torch.float32
 
     def autocast(self):
-        if self.device.type == "cuda" and self.cfg.train.mixed_precision == "bf16":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """bf16 autocast on explicit 'bf16' (CPU too: the tests run the casts a GPU run does) or on
+        CUDA under 'auto'; fp32 weights, gradients and optimizer states either way."""
+        if autocast_dtype(self.cfg.train.mixed_precision, self.device) is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def prepare(self, samples: list[dict], step: int) -> list[TrainClip]:
         c = self.cfg

@@ -34,7 +34,7 @@ def test_overrides_apply_with_yaml_types():
         ("trian.max_steps=5", "unknown config key trian"),
         ("train.max_steps=abc", "train.max_steps='abc' must be of type int"),
         ("train.lr=0", "train.lr=0.0 must be positive"),
-        ("train.mixed_precision=fp8", "train.mixed_precision='fp8'; use 'bf16' or 'no'"),
+        ("train.mixed_precision=fp8", "train.mixed_precision='fp8'; use 'auto', 'bf16' or 'no'"),
         ("model.size=giant", "model.size='giant' is unknown; choose one of"),
         ("parallel.mode=sometimes", "parallel.mode='sometimes'"),
         ("data.caption_dropout=1.5", "data.caption_dropout=1.5 must be in"),

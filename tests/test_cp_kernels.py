@@ -100,7 +100,7 @@ def test_flash_offsets_are_copied_once_per_attention_object(monkeypatch):
         calls.append((cu_q, cu_k, max_q, max_k))
         return torch.empty_like(q)
 
-    monkeypatch.setattr(attention, "_use_flash", lambda q: True)
+    monkeypatch.setattr(attention, "attention_backend", lambda q: "flash_attn")
     monkeypatch.setattr(attention, "flash_attn_varlen_func", recorder)
     packed = PackedAttention([5, 9, 0, 2])
     x = torch.empty(16, 2, 4, device="meta")  # stands in for a CUDA tensor: .to() makes a new one

@@ -5,10 +5,13 @@ results, so it needs each block's log-sum-exp (LSE) in the forward, and in the b
 takes the *final* output and LSE instead of recomputing its own softmax. ``dit/attention.py`` only
 exposes the plain output, so these live here. No ``torch.distributed`` in this file.
 
-Two implementations with one interface:
-- CUDA, fp16/bf16, flash-attn installed: ``flash_attn_varlen_func(..., return_attn_probs=True)`` and
-  flash-attn's varlen backward.
-- otherwise: torch's CPU flash-attention op per segment (the kernel SDPA itself uses on CPU), or plain
+Three implementations with one interface, chosen in the order of ``dit.attention.attention_backend``:
+- ``flash_attn`` (CUDA, fp16/bf16, flash-attn installed): ``flash_attn_varlen_func(...,
+  return_attn_probs=True)`` and flash-attn's varlen backward;
+- ``torch_varlen`` (CUDA, fp16/bf16, torch built with flash): ``varlen_attn(..., return_aux=
+  AuxRequest(lse=True))`` and the backward op behind it, ``torch.ops.torch_attn._varlen_attn_backward``
+  (the public API has no standalone backward that takes a given output and LSE);
+- ``sdpa``: torch's CPU flash-attention op per segment (the kernel SDPA itself uses on CPU), or plain
   matmul-softmax (fp32 on CUDA, or a torch without that op); both exact in fp32.
 
 Segments: segment i of q attends segment i of k/v (``cu_seqlens_*`` (s+1,) offsets). Callers pass only
@@ -24,7 +27,7 @@ import math
 
 import torch
 
-from dit.attention import max_segment
+from dit.attention import AuxRequest, attention_backend, max_segment, uses_device_offsets, varlen_attn
 
 try:  # flash-attn is an optional CUDA extra; the CPU path never needs it.
     from flash_attn import flash_attn_varlen_func
@@ -35,7 +38,17 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 
 def use_flash(q: torch.Tensor) -> bool:
-    return flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    """A fused CUDA kernel (flash-attn or torch's varlen) runs for q: it reads offsets on the device."""
+    return uses_device_offsets(q)
+
+
+def _check_lse(lse: torch.Tensor, q: torch.Tensor, who: str) -> torch.Tensor:
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"{who} returned an LSE of shape {tuple(lse.shape)}, expected (heads, total_q) = "
+            f"{(q.shape[1], q.shape[0])}; install flash-attn >= 2.6 or a torch whose varlen_attn returns it"
+        )
+    return lse.float()
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
@@ -74,24 +87,25 @@ def attention_fwd_lse(
     cu_k: torch.Tensor,
     max_q: int | None = None,
     max_k: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (nq, h, d), k/v (nk, h, d) -> out (nq, h, d) in q's dtype, lse (h, nq) fp32. Scale 1/sqrt(d).
 
     max_q/max_k: longest segments, for offsets a caller already keeps on the device (see ``_maxima``).
+    backend: one of ``dit.attention.BACKENDS`` to force (bench/gpu_check.py); default the dispatch's.
     """
-    if use_flash(q):
+    backend = backend or attention_backend(q)
+    if backend != "sdpa":
         max_q, max_k = _maxima(cu_q, cu_k, max_q, max_k)
         cu_q = cu_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_k.to(device=q.device, dtype=torch.int32)
-        out, lse, _ = flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, causal=False, return_attn_probs=True
-        )
-        if lse.shape != (q.shape[1], q.shape[0]):
-            raise RuntimeError(
-                f"flash-attn returned an LSE of shape {tuple(lse.shape)}, expected (heads, total_q) = "
-                f"{(q.shape[1], q.shape[0])}; install flash-attn >= 2.6"
+        if backend == "flash_attn":
+            out, lse, _ = flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, max_q, max_k, causal=False, return_attn_probs=True
             )
-        return out, lse.float()
+            return out, _check_lse(lse, q, "flash-attn")
+        out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True))
+        return out, _check_lse(lse, q, "torch varlen_attn")
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -151,6 +165,31 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k):
     return dq, dk, dv
 
 
+def _torch_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k):
+    """torch's varlen backward op with the *given* output and LSE (its autograd saves its own)."""
+    max_q, max_k = _maxima(cu_q, cu_k, max_q, max_k)
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused, as in torch
+    dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
+        dout.contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out.contiguous(),
+        lse.contiguous(),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        False,  # is_causal
+        rng_state,
+        1.0 / math.sqrt(q.shape[-1]),
+        [-1, -1],  # window: full bidirectional attention
+    )
+    return dq, dk, dv
+
+
 @torch.no_grad()
 def attention_bwd_lse(
     dout: torch.Tensor,
@@ -163,15 +202,19 @@ def attention_bwd_lse(
     cu_k: torch.Tensor,
     max_q: int | None = None,
     max_k: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient of one K/V block's share of an attention whose *final* output and LSE are given.
 
     dout/out (nq, h, d) and lse (h, nq) are the merged results over all blocks; the softmax of this
     block is then exp(s - lse), which is what makes the per-block gradients sum to the exact one.
-    Returns dq (nq, h, d), dk/dv (nk, h, d) in q's dtype.
+    Returns dq (nq, h, d), dk/dv (nk, h, d) in q's dtype. backend: as in ``attention_fwd_lse``.
     """
-    if use_flash(q):
+    backend = backend or attention_backend(q)
+    if backend == "flash_attn":
         return _flash_bwd(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k)
+    if backend == "torch_varlen":
+        return _torch_varlen_bwd(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     scale = 1.0 / math.sqrt(q.shape[-1])
     for qs, qe, ks, ke in _segments(cu_q, cu_k):

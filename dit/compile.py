@@ -1,0 +1,52 @@
+"""``model.compile: true``: torch.compile each transformer block, as torchtitan does.
+
+Per block, not the whole model: one block's graph is small, compiles once and serves every layer
+(blocks share code, and dynamo passes their parameters in as inputs), and the model's Python around
+the blocks (packing, RoPE tables, CP sharding) stays eager.
+
+Packed micro-batches change shape every step: n tokens, b clips and l text tokens all vary. Compiling
+with ``dynamic=True`` makes those sizes symbolic from the first compile, so a new packing reuses the
+graph instead of recompiling; only sizes 0 and 1 specialize (one clip in a micro-batch takes a
+broadcast path in ``per_token``), so a run settles at a handful of graphs.
+
+Attention stays eager (``dit.model.eager_attention`` is a graph break): CP collectives never enter a
+compiled region, and the per-clip loops of the varlen kernels are not unrolled into the graph. What
+compiles is the rest of the block: projections, norms, RoPE, modulation, FFN, which is where the
+small fused elementwise kernels pay off.
+
+``nn.Module.compile`` compiles in place, so parameter names (and so checkpoints, EMA, LoRA) are those
+of the eager model.
+"""
+
+from __future__ import annotations
+
+from dit.model import VideoDiT
+
+
+def compile_blocks(model: VideoDiT, backend: str = "inductor") -> VideoDiT:
+    """Compile every transformer block of ``model`` in place, with dynamic shapes; returns the model."""
+    # Every block is one more frame that dynamo caches graphs for; the default cache limit (8) is
+    # per code object and all blocks share DiTBlock.forward, so a few shapes never exhaust it.
+    for block in model.blocks:
+        block.compile(backend=backend, dynamic=True)
+    return model
+
+
+def recompiles() -> int:
+    """How often the most-recompiled frame compiled beyond its first, since ``torch._dynamo.reset()``.
+
+    A block with graph breaks runs as several frames (its forward and one resume function per
+    break), and a new shape class recompiles each of them, so this counts block recompiles, not frame
+    recompiles (``frame_recompiles`` sums those). Read from dynamo's per-frame compile counter;
+    ``torch._dynamo.utils.counters`` has no recompile entry in torch 2.13.
+    """
+    from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
+
+    return max((n - 1 for n in FRAME_COMPILE_COUNTER.values()), default=0)
+
+
+def frame_recompiles() -> int:
+    """Compiles beyond the first, summed over all frames."""
+    from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
+
+    return sum(max(0, n - 1) for n in FRAME_COMPILE_COUNTER.values())
