@@ -251,20 +251,29 @@ class DistributedTrainer(Trainer):
         """SUM of gradients, loss and ``extra`` over the world, as one flat buffer and one collective.
 
         A parameter without a gradient (this rank ran nothing, or no clip used it) contributes zeros.
+        One more slot per parameter counts the ranks that gave it a gradient: a parameter that no
+        clip of the whole step used keeps ``grad=None``, as in single-process training, so AdamW
+        skips it (no weight decay, no moment decay) instead of stepping on a zero gradient.
         """
         params = self.trainable_parameters()
         parts = [
             p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params
         ]
         dtype = parts[0].dtype if parts else torch.float32
-        extra = torch.cat([torch.tensor([local_loss], dtype=torch.float64), extra]).to(self.device, dtype)
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
+        extra = torch.cat([used, torch.tensor([local_loss], dtype=torch.float64), extra]).to(
+            self.device, dtype
+        )
         flat = torch.cat([*(x.to(dtype) for x in parts), extra])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
-        offset = 0
-        for p in params:
+        offset = sum(p.numel() for p in params)
+        used_anywhere = flat[offset : offset + len(params)].tolist()
+        start = 0
+        for p, u in zip(params, used_anywhere):
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
+            p.grad = flat[start : start + n].view_as(p).to(p.dtype) if u > 0 else None
+            start += n
+        offset += len(params)
         return float(flat[offset]), flat[offset + 1 :]
 
     # ----------------------------------------------------------------------------- loop
