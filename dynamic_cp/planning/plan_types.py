@@ -26,6 +26,9 @@ class Plan:
     predicted_step_s: float = float("nan")
     solver_ms: float = float("nan")
     info: dict = field(default_factory=dict)
+    # FSDP per_layer only: lockstep rounds (see rounds.py), each a list of micro-batch indices with
+    # pairwise disjoint rank sets; every rank joins every round, idle ranks with an empty micro-batch.
+    rounds: list[list[int]] | None = None
 
     def per_rank(self) -> list[list[int]]:
         """rank -> indices into ``micro_batches`` in execution order."""
