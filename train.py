@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
             Trainer(cfg, resume=resume).train()
         else:
-            from dynamic_cp.runtime.distributed_trainer import run_distributed
+            from dynamic_cp.runtime.launch import run_distributed
 
             run_distributed(cfg, resume=resume)
     except ValueError as err:  # a user's mistake: one line that names it and the fix
