@@ -338,3 +338,29 @@ def test_export_loads_in_diffusers_and_sample_py(resumed, tmp_path):
     ]
     assert sample.main(args) == 0
     assert list(tmp_path.glob("*.mp4"))
+
+
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["parallel.fsdp=zero3"], "parallel.fsdp='zero3'"),
+        (["parallel.mode=none", "parallel.fsdp=per_layer"], "parallel.mode=static or dynamic"),
+    ],
+)
+def test_fsdp_config_errors_name_the_field(items, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, items)
+
+
+def test_auto_resolves_to_replicated_until_the_memory_model_lands():
+    from dynamic_cp.runtime.fsdp import resolve_fsdp_mode
+
+    assert load_config(None, []).parallel.fsdp == "auto"
+    for mode, want in (
+        ("auto", "none"),
+        ("none", "none"),
+        ("per_step", "per_step"),
+        ("per_layer", "per_layer"),
+    ):
+        cfg = load_config(None, ["parallel.mode=dynamic", f"parallel.fsdp={mode}"])
+        assert resolve_fsdp_mode(cfg, 4) == want
