@@ -157,6 +157,8 @@ def parity_worker(rank: int, world_size: int, root: str) -> dict:
         out = {mode: _parity_case(mode, world_size, f"{root}/w{world_size}_{mode}") for mode in MODES}
         if world_size == 4:
             _resume_runs(root)
+        if world_size == 2:  # spawned after the killed run: resume it here on 2 ranks
+            out["on2"] = _resume_case(root, "resumed_on_2")
         return out if rank == 0 else {m: {"memory": out[m]["memory"]} for m in MODES}
     except Exception:  # the spawn error shows only the last frame; keep the whole trace
         return {"error": traceback.format_exc()}
@@ -177,13 +179,17 @@ def killed_worker(rank: int, world_size: int, root: str) -> None:
     trainer.train()
 
 
-def resume_worker(rank: int, world_size: int, root: str, run: str) -> dict:
+def _resume_case(root: str, run: str) -> dict:
+    """Resume the killed run's step-2 checkpoint into ``run`` and train to step 4; -> full weights."""
+    extra = {"parallel.fsdp": "per_layer", "train.max_steps": 4, "train.checkpoint_every": 2, **DATA[4]}
+    cfg = load_config(CONFIG, overrides(f"{root}/{run}", **extra))
+    trainer = train_distributed(cfg, dist.group.WORLD, resume=f"{root}/killed/checkpoints/step_000002")
+    return {"params": {n: p.full_tensor() for n, p in trainer.model.named_parameters()}}
+
+
+def resume_worker(rank: int, world_size: int, root: str) -> dict:
     try:
-        extra = {"parallel.fsdp": "per_layer", "train.max_steps": 4, "train.checkpoint_every": 2, **DATA[4]}
-        cfg = load_config(CONFIG, overrides(f"{root}/{run}", **extra))
-        trainer = train_distributed(cfg, dist.group.WORLD, resume=f"{root}/killed/checkpoints/step_000002")
-        full = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
-        return {"params": full} if rank == 0 else {}
+        return _resume_case(root, "killed")
     except Exception:
         return {"error": traceback.format_exc()}
 
@@ -217,15 +223,26 @@ def _check(res: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Five spawns: W=4 (parity, the uninterrupted run), the killed run, its resume on 4 ranks, W=2
+    (parity, the resume on 2 ranks), W=3 (parity)."""
     root = tmp_path_factory.mktemp("fsdp")
-    return root, {w: run_gloo(parity_worker, w, str(root), timeout_s=240) for w in (2, 3, 4)}
+    results = {4: run_gloo(parity_worker, 4, str(root), timeout_s=240)}
+    _check(results[4])
+    with pytest.raises(ProcessExitedException) as killed:
+        run_gloo(killed_worker, 4, str(root), timeout_s=240)
+    assert killed.value.signal_name == "SIGKILL" or killed.value.exit_code != 0, killed.value
+    on4 = run_gloo(resume_worker, 4, str(root), timeout_s=240)
+    _check(on4)
+    for w in (2, 3):
+        results[w] = run_gloo(parity_worker, w, str(root), timeout_s=240)
+        _check(results[w])
+    return root, results, on4[0]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("mode", MODES)
 def test_steps_equal_single_process(runs, mode, world_size, tmp_path):
-    root, results = runs
-    _check(results[world_size])
+    root, results, _ = runs
     res = results[world_size][0][mode]
     assert all(s["rounds"] >= max(s["counts"]) for s in res["steps"])
     ref_steps, ref_params = _reference(world_size, str(tmp_path / "ref"))
@@ -245,9 +262,8 @@ def test_steps_equal_single_process(runs, mode, world_size, tmp_path):
 def test_memory_at_rest_is_one_over_w(runs, mode):
     """W=4: parameter, gradient and AdamW bytes per rank <= 1/W of replicated + the gathered buffers
     (per_layer: one block's weights, per_step: all compute-dtype weights), and nothing is held twice."""
-    _, results = runs
+    _, results, _ = runs
     res = results[4]
-    _check(res)
     params = res[0][mode]["params"]
     replicated = 4 * sum(p.numel() for p in params.values())  # fp32 bytes of the full weights
     block = 4 * sum(p.numel() for n, p in params.items() if n.startswith("blocks.0."))
@@ -271,16 +287,8 @@ def test_memory_at_rest_is_one_over_w(runs, mode):
 
 @pytest.fixture(scope="module")
 def resumed(runs):
-    root, results = runs
-    _check(results[4])
-    with pytest.raises(ProcessExitedException) as killed:
-        run_gloo(killed_worker, 4, str(root), timeout_s=240)
-    assert killed.value.signal_name == "SIGKILL" or killed.value.exit_code != 0
-    on4 = run_gloo(resume_worker, 4, str(root), "killed", timeout_s=240)
-    on2 = run_gloo(resume_worker, 2, str(root), "resumed_on_2", timeout_s=240)
-    _check(on4)
-    _check(on2)
-    return root, on4[0], on2[0]
+    root, results, on4 = runs
+    return root, on4, results[2][0]["on2"]
 
 
 def _losses(run: Path) -> dict[int, float]:

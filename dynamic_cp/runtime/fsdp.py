@@ -17,8 +17,9 @@ of per-rank gradients the single-process gradient, see ``dit/flow.py``), "world"
     2. this rank's micro-batches in plan order, barrier-free as with replicated weights, with
        gradient sync, reshard-after-forward and reshard-after-backward all off: no world collective
        in any of them, only their CP groups' collectives. Unsharded gradients accumulate locally;
-    3. one *empty* micro-batch (zero tokens) on every rank with gradient sync on: its backward issues
-       RS block B-1 .. 0, then RS root (FSDP's final backward callback), and frees the gathered weights.
+    3. one *empty* micro-batch (zero tokens) on every rank with gradient sync on and the weights
+       still gathered (no AG): its backward issues RS block B-1 .. 0, then RS root (FSDP's final
+       backward callback), and frees the gathered weights.
     Why not turn sync on for each rank's own last micro-batch (one RS round per rank, no extra
     pass)? Ranks reach their last micro-batch at different points of the plan: rank a may start its
     RS(world) while rank b is still inside a CP collective with rank c, and c is waiting in RS for a
@@ -97,11 +98,20 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
     return [model, *model.blocks]
 
 
-def configure(model: torch.nn.Module, *, gather_once: bool, sync: bool, last_backward: bool) -> None:
-    """Set the FSDP knobs on every unit: ``gather_once`` keeps weights gathered through forward and
-    backward (per_step), ``sync`` reduce-scatters gradients in this backward."""
-    model.set_reshard_after_forward(not gather_once, recurse=True)
-    model.set_reshard_after_backward(not gather_once, recurse=True)
+def configure(
+    model: torch.nn.Module, *, keep_gathered: bool, free_after_backward: bool, sync: bool, last_backward: bool
+) -> None:
+    """Set the FSDP knobs on every unit for the next forward/backward.
+
+    keep_gathered: blocks stay gathered after forward (per_step); otherwise each is freed after its
+        forward and gathered again for its backward (the root always stays gathered through the
+        pass, as FSDP does by default: its head runs last in forward and first in backward).
+    free_after_backward: free the gathered weights after backward.
+    sync: reduce-scatter the gradients in this backward.
+    """
+    model.set_reshard_after_forward(not keep_gathered, recurse=True)
+    model.set_reshard_after_forward(False, recurse=False)
+    model.set_reshard_after_backward(free_after_backward, recurse=True)
     model.set_requires_gradient_sync(sync, recurse=True)
     model.set_is_last_backward(last_backward)
 

@@ -77,7 +77,7 @@ class FSDPTrainer(DistributedTrainer):
 
     def _run_per_step(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
         # 1. gather every unit once, 2. the plan with no world collective, 3. one synced empty pass
-        configure(self.model, gather_once=True, sync=False, last_backward=False)
+        configure(self.model, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
         gather_weights(self.model)
         local_loss = 0.0
         for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
@@ -85,7 +85,7 @@ class FSDPTrainer(DistributedTrainer):
             local_loss += self._micro_batch(ranks, clips, batch.num_clips)
             self._sync()
             timeline.record(m, ready, time.perf_counter() - t0)
-        configure(self.model, gather_once=False, sync=True, last_backward=True)
+        configure(self.model, keep_gathered=True, free_after_backward=True, sync=True, last_backward=True)
         self._empty_micro_batch()  # reduce-scatters every unit's accumulated gradient, frees weights
         return local_loss
 
@@ -99,7 +99,13 @@ class FSDPTrainer(DistributedTrainer):
         mine = dict(zip(batch.plan_indices, batch.micro_batches))
         local_loss = 0.0
         for k, m in enumerate(schedule):
-            configure(self.model, gather_once=False, sync=True, last_backward=k == len(schedule) - 1)
+            configure(
+                self.model,
+                keep_gathered=False,
+                free_after_backward=True,
+                sync=True,
+                last_backward=k == len(schedule) - 1,
+            )
             ready = time.perf_counter() - t0
             if m is None:
                 self._empty_micro_batch()
@@ -119,7 +125,7 @@ class FSDPTrainer(DistributedTrainer):
     @torch.no_grad()
     def validation_loss(self) -> float:
         # Every forward gathers weights from every rank: all ranks evaluate the same clips.
-        configure(self.model, gather_once=False, sync=True, last_backward=True)
+        configure(self.model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
         try:
             return Trainer.validation_loss(self)
         finally:
