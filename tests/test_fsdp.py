@@ -10,7 +10,8 @@ catches a wrong reduce-scatter scale: AdamW's update alone is nearly scale-free.
 Resume: a 4-rank per_layer run is SIGKILLed right after its step-2 checkpoint; resumed on 4 ranks it
 logs the same losses and ends with the same weights as an uninterrupted run, bit for bit on CPU;
 resumed on 2 ranks (DCP reshards) its weights stay within 1e-6; the consolidated export loads with
-diffusers' ``from_pretrained`` and samples with ``sample.py``.
+diffusers' ``from_pretrained`` and samples with ``sample.py``. A replicated (fsdp=none) checkpoint
+resumes under FSDP with the same weights, AdamW moments and EMA.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def parity_worker(rank: int, world_size: int, root: str) -> dict:
             _resume_runs(root)
         if world_size == 2:  # spawned after the killed run: resume it here on 2 ranks
             out["on2"] = _resume_case(root, "resumed_on_2")
+            out["from_replicated"] = _from_replicated(root)
         return out if rank == 0 else {m: {"memory": out[m]["memory"]} for m in MODES}
     except Exception:  # the spawn error shows only the last frame; keep the whole trace
         return {"error": traceback.format_exc()}
@@ -188,6 +190,30 @@ def _resume_case(root: str, run: str) -> dict:
     cfg = load_config(CONFIG, overrides(f"{root}/{run}", **extra))
     trainer = train_distributed(cfg, dist.group.WORLD, resume=f"{root}/killed/checkpoints/step_000002")
     return {"params": {n: p.full_tensor() for n, p in trainer.model.named_parameters()}}
+
+
+def _replicated_checkpoint(root: Path) -> Trainer:
+    """One single-process step of plain (replicated) training, checkpointed: weights, AdamW, EMA."""
+    cfg = load_config(CONFIG, overrides(f"{root}/one", **{"parallel.mode": "none", "parallel.fsdp": "none"}))
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
+    trainer.train_step(trainer.prepare([trainer.train_set[i] for i in sampler.batch(0)], 0))
+    trainer.step = 1
+    trainer.save()
+    return trainer
+
+
+def _from_replicated(root: str) -> dict:
+    """An FSDP run resumed from the replicated checkpoint: its full weights, exp_avg and EMA."""
+    cfg = load_config(CONFIG, overrides(f"{root}/from_one", **{"parallel.fsdp": "per_layer"}))
+    trainer = FSDPTrainer(cfg, dist.group.WORLD, resume=f"{root}/one")
+    named = list(trainer.model.named_parameters())
+    return {
+        "step": trainer.step,
+        "params": {n: p.full_tensor() for n, p in named},
+        "exp_avg": {n: trainer.optimizer.state[p]["exp_avg"].full_tensor() for n, p in named},
+        "ema": {n: t.full_tensor() for n, t in trainer.ema.params.items()},
+    }
 
 
 def resume_worker(rank: int, world_size: int, root: str) -> dict:
@@ -236,16 +262,17 @@ def runs(tmp_path_factory):
     assert killed.value.signal_name == "SIGKILL" or killed.value.exit_code != 0, killed.value
     on4 = run_gloo(resume_worker, 4, str(root), timeout_s=240)
     _check(on4)
+    one = _replicated_checkpoint(root)  # the W=2 spawn resumes it under FSDP
     for w in (2, 3):
         results[w] = run_gloo(parity_worker, w, str(root), timeout_s=240)
         _check(results[w])
-    return root, results, on4[0]
+    return root, results, on4[0], one
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("mode", MODES)
 def test_steps_equal_single_process(runs, mode, world_size, tmp_path):
-    root, results, _ = runs
+    root, results, _, _ = runs
     res = results[world_size][0][mode]
     assert all(s["rounds"] >= max(s["counts"]) for s in res["steps"])
     ref_steps, ref_params = _reference(world_size, str(tmp_path / "ref"))
@@ -265,7 +292,7 @@ def test_steps_equal_single_process(runs, mode, world_size, tmp_path):
 def test_memory_at_rest_is_one_over_w(runs, mode):
     """W=4: parameter, gradient and AdamW bytes per rank <= 1/W of replicated + the gathered buffers
     (per_layer: one block's weights, per_step: all compute-dtype weights), and nothing is held twice."""
-    _, results, _ = runs
+    _, results, _, _ = runs
     res = results[4]
     params = res[0][mode]["params"]
     replicated = 4 * sum(p.numel() for p in params.values())  # fp32 bytes of the full weights
@@ -290,7 +317,7 @@ def test_memory_at_rest_is_one_over_w(runs, mode):
 
 @pytest.fixture(scope="module")
 def resumed(runs):
-    root, results, on4 = runs
+    root, results, on4, _ = runs
     return root, on4, results[2][0]["on2"]
 
 
@@ -375,3 +402,16 @@ def test_auto_resolves_to_replicated_until_the_memory_model_lands():
     ):
         cfg = load_config(None, ["parallel.mode=dynamic", f"parallel.fsdp={mode}"])
         assert resolve_fsdp_mode(cfg, 4) == want
+
+
+def test_fsdp_run_resumes_from_a_replicated_checkpoint(runs):
+    """fsdp=none checkpoint (full weights, plain AdamW state dict, EMA) -> 2-rank per_layer run: every
+    rank keeps its shards of the same numbers, bit for bit."""
+    _, results, _, one = runs
+    got = results[2][0]["from_replicated"]
+    assert got["step"] == 1
+    for name, p in one.model.named_parameters():
+        assert torch.equal(got["params"][name], p.detach()), name
+        assert torch.equal(got["exp_avg"][name], one.optimizer.state[p]["exp_avg"]), name
+    for name, p in one.ema.model.named_parameters():
+        assert torch.equal(got["ema"][name], p), name
