@@ -83,7 +83,7 @@ def run(args) -> int:
 
         Trainer(cfg, resume=resume).train()
     else:
-        from dynamic_cp.runtime.distributed_trainer import run_distributed
+        from dynamic_cp.runtime.launch import run_distributed
 
         run_distributed(cfg, resume=resume)
     return 0

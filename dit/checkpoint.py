@@ -63,16 +63,33 @@ def save_checkpoint(
     root: Path, step: int, model, ema_model, trainer_state: dict, config: dict, keep: int
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` (output_dir/checkpoints) and prune to ``keep`` newest."""
+    tmp = begin_checkpoint(root, step)
+    write_checkpoint_files(tmp, step, model, ema_model, trainer_state, config)
+    return commit_checkpoint(root, step, keep)
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """A fresh ``step_XXXXXX.tmp`` directory to write checkpoint ``step`` into."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     tmp.mkdir()
+    return tmp
+
+
+def write_checkpoint_files(tmp: Path, step: int, model, ema_model, trainer_state: dict, config: dict) -> None:
+    """The consolidated weights (save_pretrained), the trainer state and the config, into ``tmp``."""
     model.save_pretrained(tmp / "model")
     if ema_model is not None:
         ema_model.save_pretrained(tmp / "ema")
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
     (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def commit_checkpoint(root: Path, step: int, keep: int) -> Path:
+    """Rename the complete ``.tmp`` directory into place, point ``latest`` at it, prune to ``keep``."""
+    final = root / f"step_{step:06d}"
+    tmp = root / f"step_{step:06d}.tmp"
     if final.exists():  # the same step saved by an earlier attempt: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)

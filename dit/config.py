@@ -208,10 +208,23 @@ class ParallelConfig:
     # ZeroRedundancyOptimizer) and sends its updated share to the others; weights, gradients and the
     # plan are unchanged, so this saves 8 bytes per parameter x (1 - 1/ranks) for one broadcast a step
     shard_optimizer: bool = True
+    # FSDP2 sharding of weights, gradients and AdamW moments over all ranks (docs/runtime.md):
+    # 'none' (replicated; shard_optimizer applies), 'per_step' (weights gathered once a step),
+    # 'per_layer' (ZeRO-3, lockstep rounds) or 'auto' (the memory model picks; see
+    # dynamic_cp.runtime.fsdp.resolve_fsdp_mode)
+    fsdp: str = "auto"
 
     def __post_init__(self):
         if self.mode not in ("none", "static", "dynamic"):
             raise ValueError(f"parallel.mode={self.mode!r}; use 'none', 'static' or 'dynamic'")
+        if self.fsdp not in ("none", "per_step", "per_layer", "auto"):
+            raise ValueError(f"parallel.fsdp={self.fsdp!r}; use 'none', 'per_step', 'per_layer' or 'auto'")
+        if self.mode == "none" and self.fsdp in ("per_step", "per_layer"):
+            raise ValueError(
+                f"parallel.fsdp={self.fsdp} shards over the ranks of the distributed runtime; set "
+                "parallel.mode=static or dynamic and launch with torchrun (one rank is fine), or "
+                "parallel.fsdp=none"
+            )
         if self.cp_method not in ("auto", "ulysses", "ring"):
             raise ValueError(f"parallel.cp_method={self.cp_method!r}; use 'auto', 'ulysses' or 'ring'")
         if self.static_cp_size < 1:

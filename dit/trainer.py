@@ -87,10 +87,10 @@ class Trainer:
                 f"the model takes {self.model.config.in_channels} channels but the data gives {channels} "
                 f"(data.vae={cfg.data.vae!r}); change data.vae or use a model with {channels} channels"
             )
+        self._shard_model()
         self.optimizer = self._build_optimizer()
         self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
-        ema_class = AdapterEMA if self.lora else EMA  # under LoRA: the adapters' averages alone
-        self.ema = ema_class(self.model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.ema = self._build_ema() if cfg.train.ema_decay > 0 else None
         if cfg.model.compile:  # after the EMA copy: the EMA model only samples, eagerly
             compile_blocks(self.model)
         self.step = 0
@@ -107,6 +107,18 @@ class Trainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer over the trainable parameters (the distributed runtime may shard its states)."""
         return build_optimizer(self.cfg.train, self.trainable_parameters())
+
+    def _shard_model(self) -> None:
+        """Where the distributed runtime shards the weights (FSDP), before the optimizer sees them."""
+
+    def _build_ema(self) -> EMA | AdapterEMA:
+        """The EMA of the weights: of the adapters alone under LoRA (no copy of the frozen base); the
+        distributed runtime keeps one of its local shards under FSDP."""
+        return (AdapterEMA if self.lora else EMA)(self.model, self.cfg.train.ema_decay)
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip the trainable gradients to ``max_norm`` (inf: no clipping); -> their total norm."""
+        return torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -238,9 +250,7 @@ class Trainer:
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
         clip = self.cfg.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.trainable_parameters(), clip if clip > 0 else math.inf
-        )
+        grad_norm = self.clip_gradients(clip if clip > 0 else math.inf)
         if not (math.isfinite(loss) and torch.isfinite(grad_norm)):
             self.bad_steps += 1
             self.optimizer.zero_grad(set_to_none=True)

@@ -34,7 +34,8 @@ from dit.config import load_config
 from dit.trainer import Trainer
 from dynamic_cp.planning.cost_model import Hardware
 from dynamic_cp.runtime import distributed_trainer
-from dynamic_cp.runtime.distributed_trainer import DistributedTrainer, train_distributed
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
+from dynamic_cp.runtime.launch import train_distributed
 from dynamic_cp.runtime.routing import share_of
 from dynamic_cp.runtime.testing import assert_grads_match, record_step_grads, relative_error, run_gloo
 

@@ -76,7 +76,7 @@ def test_static_cp_size_must_divide_the_world():
 
 
 def test_run_distributed_outside_torchrun_says_how_to_launch(monkeypatch):
-    from dynamic_cp.runtime.distributed_trainer import run_distributed
+    from dynamic_cp.runtime.launch import run_distributed
 
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

@@ -18,16 +18,15 @@ One step on every rank (see ``dynamic_cp/runtime/iterator.py`` for the data half
 Rank 0 alone writes metrics and checkpoints (sharded optimizer states are gathered to it first, in
 the format of a plain AdamW state dict, so checkpoints move between modes and world sizes); every
 rank reads the checkpoint when resuming (a shared file system, as on any cluster). Weights and
-gradients are replicated on every rank (no FSDP yet).
+gradients are replicated on every rank here; ``parallel.fsdp=per_step|per_layer`` shards them
+(``FSDPTrainer``, ``dynamic_cp/runtime/fsdp_trainer.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -80,6 +79,14 @@ class DistributedTrainer(Trainer):
             )
         self.world = world
         self.rank, self.world_size = dist.get_rank(world), dist.get_world_size(world)
+        if type(self) is DistributedTrainer:
+            from dynamic_cp.runtime.fsdp import resolve_fsdp_mode
+
+            if resolve_fsdp_mode(cfg, self.world_size) != "none":
+                raise ValueError(
+                    f"parallel.fsdp={cfg.parallel.fsdp} shards the weights: build the trainer with "
+                    "trainer_class(cfg, world) (FSDPTrainer), or set parallel.fsdp=none"
+                )
         self.is_main = self.rank == 0
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
@@ -179,24 +186,10 @@ class DistributedTrainer(Trainer):
         """This rank's micro-batches in plan order, one all-reduce, then the optimizer step."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        heads = self.model.config.num_attention_heads
         timeline = StepTimeline(batch.plan, self.rank)
         self._sync()
         t0 = time.perf_counter()
-        local_loss = 0.0
-        for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
-            ready = time.perf_counter() - t0
-            layout = batch.plan.info["layouts"][m]
-            attention, shard = self._cp_attention(ranks, [c.num_tokens for c in clips], heads, layout)
-            token_range = (shard.start, shard.end) if len(ranks) > 1 else None
-            clock = CommClock(self.device)  # seconds in this micro-batch's CP collectives
-            with clock.active():
-                with self.autocast():
-                    loss = micro_batch_loss(self.model, clips, attention, batch.num_clips, token_range)
-                loss.backward()
-            local_loss += loss.item()
-            self._sync()
-            timeline.record(m, ready, time.perf_counter() - t0, clock.seconds())
+        local_loss = self._run_plan(batch, timeline, t0)
         timeline.finish(time.perf_counter() - t0)
         failures = getattr(self.train_set, "failures", None)
         # Broken files found while loading: each rank sees only its share of the clips, so the
@@ -229,6 +222,34 @@ class DistributedTrainer(Trainer):
             "plan_ms": batch.plan.solver_ms,
             **{k: round(v, 6) for k, v in batch.timings.items()},
         }
+
+    def _run_plan(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
+        """Forward and backward of this rank's micro-batches in plan order; -> the sum of their losses.
+        (FSDP modes replace this with their own schedules: ``dynamic_cp/runtime/fsdp_trainer.py``.)"""
+        local_loss = 0.0
+        for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
+            ready = time.perf_counter() - t0
+            loss, comm_s = self._micro_batch(batch, m, ranks, clips)
+            local_loss += loss
+            self._sync()
+            timeline.record(m, ready, time.perf_counter() - t0, comm_s)
+        return local_loss
+
+    def _micro_batch(self, batch: StepBatch, m: int, ranks, clips) -> tuple[float, float]:
+        """Forward and backward of plan micro-batch ``m`` on this rank's token shard; -> (its loss,
+        seconds spent in its CP collectives)."""
+        heads = self.model.config.num_attention_heads
+        lengths = [c.num_tokens for c in clips]
+        layouts = batch.plan.info.get("layouts")
+        layout = tuple(layouts[m]) if layouts else self.cost_model.layout(lengths, len(ranks))
+        attention, shard = self._cp_attention(ranks, lengths, heads, layout)
+        token_range = (shard.start, shard.end) if len(ranks) > 1 else None
+        clock = CommClock(self.device)  # seconds in this micro-batch's CP collectives
+        with clock.active():
+            with self.autocast():
+                loss = micro_batch_loss(self.model, clips, attention, batch.num_clips, token_range)
+            loss.backward()
+        return loss.item(), clock.seconds()
 
     def _cp_attention(self, ranks, lengths: list[int], heads: int, layout: tuple[int, int]):
         """(attention, shard) for one micro-batch in the layout its plan priced for it (the cost
@@ -286,36 +307,3 @@ class DistributedTrainer(Trainer):
 
     def run_step(self, batch: StepBatch) -> tuple[dict, list[int]]:
         return {**self.train_step(batch), "world_size": self.world_size}, list(batch.lengths)
-
-
-def train_distributed(
-    cfg: Config, world: dist.ProcessGroup, resume: str | None = None, device: torch.device | None = None
-) -> DistributedTrainer:
-    """Train on an initialized process group (``world``); returns the trainer (tests read it)."""
-    trainer = DistributedTrainer(cfg, world, resume=resume, device=device)
-    trainer.train()
-    return trainer
-
-
-def run_distributed(cfg: Config, resume: str | None = None) -> None:
-    """Entry point of ``train.py`` for parallel.mode != 'none': one process per rank, from torchrun."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ValueError(
-            f"parallel.mode={cfg.parallel.mode} needs one process per rank: launch with "
-            "`torchrun --nproc_per_node=N train.py ...` (or set parallel.mode=none for one process)"
-        )
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        # Several ranks share the cores of one machine; oversubscribed threads only slow gloo down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
-    try:
-        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
-    finally:
-        dist.destroy_process_group()

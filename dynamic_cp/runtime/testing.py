@@ -10,8 +10,10 @@ threads make gloo timeouts likely rather than anything faster.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
+import sys
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,6 +46,10 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> 
     ``fn`` should be importable (module level) so that it also works where processes are spawned.
     An exception in any process is raised here.
     """
+    if "diffusers" in sys.modules:
+        # diffusers imports its hooks (and through them peft and transformers) on a model's first
+        # .to(): tens of seconds per process on a loaded machine, paid once here for all children.
+        importlib.import_module("diffusers.hooks")
     # A forked child would inherit a process group or a CUDA context of this process: spawn then.
     can_fork = "fork" in mp.get_all_start_methods() and not dist.is_initialized()
     start_method = "fork" if can_fork and not torch.cuda.is_initialized() else "spawn"

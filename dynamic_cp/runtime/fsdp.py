@@ -1,0 +1,182 @@
+"""FSDP2 sharding of the DiT that composes with Dynamic-CP's uneven micro-batch counts.
+
+Weights (fp32 master), gradients and AdamW moments are sharded 1/W over the world with torch's
+``fully_shard`` (``apply_fsdp``): each transformer block is one FSDP unit, the root (embedders,
+output head) another. Mixed precision as torchtitan does it: fp32 sharded parameters, bf16 compute on
+CUDA under ``train.mixed_precision=bf16`` (fp32 on CPU, so tests are exact), fp32 gradient reduction.
+
+FSDP's all-gathers and reduce-scatters run over *all* ranks, so every rank must issue them in the
+same order; under Dynamic-CP ranks run different numbers of micro-batches (``fully_shard`` as is on 2
+gloo ranks where rank 0 runs two micro-batches and rank 1 one hangs). Two schedules make the world
+collectives independent of the plan. Below, B = number of blocks, AG = all-gather of a unit's
+parameter shards, RS = reduce-scatter of its gradients (SUM: the loss weights already make the sum
+of per-rank gradients the single-process gradient, see ``dit/flow.py``), "world" = every rank.
+
+``per_step`` (weights gathered once per step):
+    1. AG root, AG block 0 .. B-1 (explicit ``unshard()``; every rank, before any CP collective);
+    2. this rank's micro-batches in plan order, barrier-free as with replicated weights, with
+       gradient sync, reshard-after-forward and reshard-after-backward all off: no world collective
+       in any of them, only their CP groups' collectives. Unsharded gradients accumulate locally;
+    3. one *empty* micro-batch (zero tokens) on every rank with gradient sync on and the weights
+       still gathered (no AG): its backward issues RS block B-1 .. 0, then RS root (FSDP's final
+       backward callback), and frees the gathered weights.
+    Why not turn sync on for each rank's own last micro-batch (one RS round per rank, no extra
+    pass)? Ranks reach their last micro-batch at different points of the plan: rank a may start its
+    RS(world) while rank b is still inside a CP collective with rank c, and c is waiting in RS for a
+    different block (or has not reached it): the RS of world and CP collectives of other groups
+    then interleave differently on different ranks. Gloo processes ops of one group in order and
+    blocks the caller; NCCL kernels on one stream serialize: both can deadlock or need fragile
+    reasoning about every plan. Step 3 is issued by every rank after all its CP work, identically:
+    obviously safe, for the price of one zero-token forward/backward (microseconds).
+    Memory in the step: the compute-dtype weights and an unsharded gradient accumulator.
+
+``per_layer`` (ZeRO-3): the plan runs in lockstep rounds (``dynamic_cp.planning.rounds``): in each
+round each rank runs exactly one micro-batch, an empty one when it has none in that round. Every
+micro-batch, empty or not, issues per round: AG root, AG block 0 .. B-1 in forward (each freed after
+its forward), AG block B-1 .. 0 in backward (freed after), RS block B-1 .. 0, RS root. CP collectives
+of a block sit between that block's AG and the next one on every member of the group, and all groups
+of a round are disjoint, so no world collective can interleave with a CP collective differently on
+two ranks. Reduce-scattered gradients accumulate into the sharded ``.grad`` round after round.
+
+Between steps (validation, checkpoints) every rank runs the same forwards and state-dict calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from dit.trainer import autocast_dtype
+
+FSDP_MODES = ("none", "per_step", "per_layer")
+
+
+def resolve_fsdp_mode(cfg, world_size: int) -> str:
+    """``parallel.fsdp`` -> the mode this run uses ('none', 'per_step' or 'per_layer').
+
+    'auto' resolves to 'none' (replicated weights, today's behaviour) until the memory model
+    (``dynamic_cp.planning.memory``) can say which modes fit ``memory_bytes``; the lead swaps its
+    chooser in here, in this one place.
+    """
+    mode = cfg.parallel.fsdp
+    if mode == "auto":
+        return "none"
+    if mode not in FSDP_MODES:
+        raise ValueError(f"parallel.fsdp={mode!r}; use 'none', 'per_step', 'per_layer' or 'auto'")
+    return mode
+
+
+def mixed_precision_policy(device: torch.device, mixed_precision: str) -> MixedPrecisionPolicy:
+    """bf16 gathered weights and compute on CUDA under 'bf16' or 'auto', fp32 otherwise (CPU keeps fp32
+    weights even under 'bf16': autocast does the casts there); fp32 gradient reduction."""
+    bf16 = device.type == "cuda" and autocast_dtype(mixed_precision, device) is not None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: torch.nn.Module, world: dist.ProcessGroup, device: torch.device, mixed_precision: str
+) -> torch.nn.Module:
+    """Shard ``model`` (a ``VideoDiT``) in place over ``world``: each block a unit, then the root."""
+    mesh = DeviceMesh.from_group(world, device.type)
+    policy = mixed_precision_policy(device, mixed_precision)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for unit in fsdp_units(model):
+        # SUM, not FSDP's default average: the loss weights already divide by the global batch.
+        # Forcing SUM (instead of NCCL's PREMUL_SUM with factor 1) also works on gloo.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+        # A parameter no clip of this rank used still joins the reduce-scatter (as zeros): the
+        # collective's size must not depend on which clips a rank ran.
+        unit.set_reduce_scatter_unused_params(True, recurse=False)
+    return model
+
+
+def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
+    """The root, then block 0 .. B-1: the order of the explicit gathers of ``per_step``."""
+    return [model, *model.blocks]
+
+
+def configure(
+    model: torch.nn.Module, *, keep_gathered: bool, free_after_backward: bool, sync: bool, last_backward: bool
+) -> None:
+    """Set the FSDP knobs on every unit for the next forward/backward.
+
+    keep_gathered: blocks stay gathered after forward (per_step); otherwise each is freed after its
+        forward and gathered again for its backward (the root always stays gathered through the
+        pass, as FSDP does by default: its head runs last in forward and first in backward).
+    free_after_backward: free the gathered weights after backward.
+    sync: reduce-scatter the gradients in this backward.
+    """
+    model.set_reshard_after_forward(not keep_gathered, recurse=True)
+    model.set_reshard_after_forward(False, recurse=False)
+    model.set_reshard_after_backward(free_after_backward, recurse=True)
+    model.set_requires_gradient_sync(sync, recurse=True)
+    model.set_is_last_backward(last_backward)
+
+
+def gather_weights(model: torch.nn.Module) -> None:
+    """All-gather every unit, root first, the same order on every rank."""
+    for unit in fsdp_units(model):
+        unit.unshard()
+
+
+def release_weights(model: torch.nn.Module) -> None:
+    """Free every gathered unit (no collective)."""
+    for unit in fsdp_units(model):
+        unit.reshard()
+
+
+def empty_micro_batch_loss(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A zero-token forward through every block: the loss (0, with a graph to every unit) of a rank
+    that has no micro-batch in a round. One clip of zero tokens and no text; every matmul runs on
+    (0, ·) rows, so each FSDP unit still gathers in forward and reduce-scatters in backward."""
+    cfg = model.config
+    tokens = torch.zeros(0, model.patch_embedding.in_features, device=device)  # (0, p)
+    positions = torch.zeros(0, 3, dtype=torch.long, device=device)  # (0, 3)
+    one = torch.zeros(1, dtype=torch.long)
+    text = torch.zeros(0, cfg.text_dim, device=device)  # (0, text_dim)
+
+    def no_attention(q, k, v):  # (0, h, d) in, (0, h, d) out; keeps q, k, v in the graph
+        return q + k + v
+
+    pred = model(tokens, positions, one, torch.zeros(1, device=device), text, one, no_attention)
+    return pred.float().sum()  # (0, p_out) -> 0.0
+
+
+def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip sharded (DTensor) gradients to ``max_norm`` by their global norm; -> that norm (a plain
+    tensor). The total norm of DTensor shards is a partial sum that ``full_tensor`` all-reduces."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+class ShardedEMA:
+    """EMA of this rank's parameter shards (DTensors); ``full_state_dict`` gathers them for export."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        ema = [t.to_local() for t in self.params.values()]
+        current = [p.detach().to_local() for p in model.parameters()]
+        torch._foreach_lerp_(ema, current, 1.0 - self.decay)
+
+    def full_state_dict(self, is_main: bool) -> dict[str, torch.Tensor]:
+        """Collective: every rank gathers each tensor; rank 0 keeps CPU copies, the others nothing."""
+        out = {}
+        for name, t in self.params.items():
+            full = t.full_tensor()
+            if is_main:
+                out[name] = full.cpu()
+        return out

@@ -1,0 +1,60 @@
+"""Entry points of the multi-process runtime: ``train.py`` under torchrun, and tests.
+
+    torchrun --nproc_per_node=4 train.py --config configs/tiny.yaml parallel.mode=dynamic parallel.fsdp=per_layer
+
+``trainer_class`` picks the replicated ``DistributedTrainer`` or the sharded ``FSDPTrainer`` from
+``parallel.fsdp`` (resolved by ``dynamic_cp.runtime.fsdp.resolve_fsdp_mode``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dit.config import Config
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
+from dynamic_cp.runtime.fsdp import resolve_fsdp_mode
+from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
+
+
+def trainer_class(cfg: Config, world: dist.ProcessGroup) -> type[DistributedTrainer]:
+    """DistributedTrainer for replicated weights, FSDPTrainer when ``parallel.fsdp`` shards them."""
+    if resolve_fsdp_mode(cfg, dist.get_world_size(world)) == "none":
+        return DistributedTrainer
+    return FSDPTrainer
+
+
+def train_distributed(
+    cfg: Config, world: dist.ProcessGroup, resume: str | None = None, device: torch.device | None = None
+) -> DistributedTrainer:
+    """Train on an initialized process group (``world``); returns the trainer (tests read it)."""
+    trainer = trainer_class(cfg, world)(cfg, world, resume=resume, device=device)
+    trainer.train()
+    return trainer
+
+
+def run_distributed(cfg: Config, resume: str | None = None) -> None:
+    """Entry point of ``train.py`` for parallel.mode != 'none': one process per rank, from torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"parallel.mode={cfg.parallel.mode} needs one process per rank: launch with "
+            "`torchrun --nproc_per_node=N train.py ...` (or set parallel.mode=none for one process)"
+        )
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Several ranks share the cores of one machine; oversubscribed threads only slow gloo down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    try:
+        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
+    finally:
+        dist.destroy_process_group()
