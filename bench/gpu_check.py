@@ -43,18 +43,11 @@ from dit.attention import (  # noqa: E402
     varlen_attention,
 )
 from dit.flops import train_step_flops  # noqa: E402
+from dit.sizes import MODEL_SIZES  # noqa: E402
 
 CLIPS = [1023, 4097, 511, 2049, 7]  # odd lengths, one tiny clip
 HEADS, HEAD_DIM = 12, 128  # Wan-1.3B attention
-WAN_13B = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-)
+WAN_13B = {k: v for k, v in MODEL_SIZES["wan-1.3b"].items() if k != "num_layers"}  # widths; layers set below
 # (t, h, w) latent patch grids: 256px x 129 frames (8,448 tokens), 480p x 81 frames (32,760 tokens)
 GRIDS = {8448: (33, 16, 16), 32760: (21, 30, 52)}
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}

@@ -18,8 +18,11 @@ import sys
 import threading
 
 # dmlc's format: "[hh:mm:ss] <source file>:<line>: <message>\n". It may follow a progress bar's
-# unfinished line ("probing videos: 0%| [00:00<?]"), so it is cut out wherever it starts.
-NATIVE_LOG_LINE = re.compile(rb"\[\d\d:\d\d:\d\d\] \S+\.(?:cc|cpp|h):\d+: [^\n]*\n?")
+# unfinished line ("probing videos: 0%| [00:00<?]"), so it is cut out wherever it starts. The C++
+# stream writes it in pieces, so another thread's "\r<progress bar>" can land between its "[" and
+# the rest (seen in a full-suite run): the "[" is optional.
+NATIVE_LOG_LINE = re.compile(rb"\[?\d\d:\d\d:\d\d\] \S+\.(?:cc|cpp|h):\d+: [^\n]*\n?")
+NATIVE_LOG_START = re.compile(rb"\[|\d\d:\d\d:\d\d\] ")
 
 
 def _flush() -> None:
@@ -87,9 +90,11 @@ def _forward(read_end: int, out: int) -> None:
             while chunk := pipe.read(65536):
                 *lines, pending = re.split(rb"(?<=[\n\r])", pending + chunk)
                 kept = b"".join(NATIVE_LOG_LINE.sub(b"", line) for line in lines)
-                # an unfinished line passes on now, up to a "[" that may start a dmlc line
-                cut = pending.rfind(b"[")
-                cut = len(pending) if cut < 0 else cut
+                # an unfinished line passes on now, up to what may start a dmlc line
+                starts = [m.start() for m in NATIVE_LOG_START.finditer(pending)]
+                cut = starts[-1] if starts else len(pending)
+                if pending[cut - 1 : cut] == b"[":  # the timestamp's own bracket
+                    cut -= 1
                 kept, pending = kept + pending[:cut], pending[cut:]
                 if kept:
                     os.write(out, kept)

@@ -143,3 +143,17 @@ def test_native_log_lines_are_dropped_and_the_rest_passes_through(capfd):
     assert all(f"ours {k}\r" in err for k in range(4)) and "[not a log line]\n" in err
     assert "\rprobing: 0/6 [00:00<?, ?it/s]after\n" in err
     assert err.endswith("after\n")
+
+
+def test_native_log_line_split_by_a_progress_bar_is_still_dropped(capfd):
+    """Seen in a full-suite run: decord's C++ stream wrote "[" and the rest in two pieces, and the
+    progress bar's "\\r..." landed between them."""
+    from data.native_stderr import QUIET_NATIVE_STDERR
+
+    with QUIET_NATIVE_STDERR:
+        os.write(2, b"[")
+        os.write(2, b"\rprobing videos:   0%|          | 0/6 [00:00<?, ?it/s]")
+        os.write(2, b"11:31:57] /src/video/video_reader.cc:83: ERROR opening: /tmp/x.mp4, Invalid\n")
+    err = capfd.readouterr().err
+    assert "video_reader.cc" not in err and "x.mp4" not in err, err
+    assert "probing videos:   0%|          | 0/6 [00:00<?, ?it/s]" in err

@@ -22,7 +22,8 @@ from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
 from dit.wan_import import import_wan_state_dict
-from dynamic_cp.runtime.distributed_trainer import DistributedTrainer, train_distributed
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
+from dynamic_cp.runtime.launch import train_distributed
 from dynamic_cp.runtime.testing import run_gloo
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

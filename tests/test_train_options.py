@@ -131,7 +131,7 @@ def _zero_worker(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from dynamic_cp.runtime.distributed_trainer import train_distributed
+    from dynamic_cp.runtime.launch import train_distributed
 
     try:
         out = {}
