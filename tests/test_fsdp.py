@@ -75,6 +75,10 @@ def overrides(out: str, **extra) -> list[str]:
         "parallel.mode": "dynamic",
         "parallel.cap_tokens": 96,  # a 5-frame 32x16 clip (160 tokens) needs CP >= 2
         "parallel.plan_ahead": False,
+        # fixed prices: a learned cost model plans from measured times, which differ between a killed
+        # and an uninterrupted run, so the bitwise resume check needs a frozen prior
+        "parallel.hardware": "h100",
+        "parallel.learn_costs": False,
         **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]
