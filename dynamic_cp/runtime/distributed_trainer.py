@@ -228,12 +228,18 @@ class DistributedTrainer(Trainer):
         (FSDP modes replace this with their own schedules: ``dynamic_cp/runtime/fsdp_trainer.py``.)"""
         local_loss = 0.0
         for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
-            ready = time.perf_counter() - t0
-            loss, comm_s = self._micro_batch(batch, m, ranks, clips)
-            local_loss += loss
-            self._sync()
-            timeline.record(m, ready, time.perf_counter() - t0, comm_s)
+            local_loss += self._timed_micro_batch(batch, timeline, t0, m, ranks, clips)
         return local_loss
+
+    def _timed_micro_batch(
+        self, batch: StepBatch, timeline: StepTimeline, t0: float, m: int, ranks, clips
+    ) -> float:
+        """``_micro_batch`` with its start, end and CP-collective seconds recorded in ``timeline``."""
+        ready = time.perf_counter() - t0
+        loss, comm_s = self._micro_batch(batch, m, ranks, clips)
+        self._sync()
+        timeline.record(m, ready, time.perf_counter() - t0, comm_s)
+        return loss
 
     def _micro_batch(self, batch: StepBatch, m: int, ranks, clips) -> tuple[float, float]:
         """Forward and backward of plan micro-batch ``m`` on this rank's token shard; -> (its loss,

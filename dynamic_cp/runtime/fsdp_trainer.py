@@ -12,8 +12,6 @@ The plan, routing and CP attention are the replicated runtime's; what changes (s
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -79,13 +77,7 @@ class FSDPTrainer(DistributedTrainer):
         # 1. gather every unit once, 2. the plan with no world collective, 3. one synced empty pass
         configure(self.model, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
         gather_weights(self.model)
-        local_loss = 0.0
-        for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
-            ready = time.perf_counter() - t0
-            loss, comm_s = self._micro_batch(batch, m, ranks, clips)
-            local_loss += loss
-            self._sync()
-            timeline.record(m, ready, time.perf_counter() - t0, comm_s)
+        local_loss = super()._run_plan(batch, timeline, t0)  # the replicated runtime's plan loop
         configure(self.model, keep_gathered=True, free_after_backward=True, sync=True, last_backward=True)
         self._empty_micro_batch()  # reduce-scatters every unit's accumulated gradient, frees weights
         return local_loss
@@ -107,15 +99,10 @@ class FSDPTrainer(DistributedTrainer):
                 sync=True,
                 last_backward=k == len(schedule) - 1,
             )
-            ready = time.perf_counter() - t0
             if m is None:
                 self._empty_micro_batch()
                 continue
-            ranks, clips = mine[m]
-            loss, comm_s = self._micro_batch(batch, m, ranks, clips)
-            local_loss += loss
-            self._sync()
-            timeline.record(m, ready, time.perf_counter() - t0, comm_s)
+            local_loss += self._timed_micro_batch(batch, timeline, t0, m, *mine[m])
         return local_loss
 
     def _all_reduce(self, local_loss: float, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
