@@ -213,6 +213,9 @@ class ParallelConfig:
     # 'per_layer' (ZeRO-3, lockstep rounds) or 'auto' (the memory model picks; see
     # dynamic_cp.runtime.fsdp.resolve_fsdp_mode)
     fsdp: str = "auto"
+    # memory per rank (GB) that parallel.fsdp=auto plans for; None = the device's own (CUDA: the
+    # GPU's; CPU: the machine's RAM over the node's ranks). Lower it to leave headroom
+    memory_gb: float | None = None
 
     def __post_init__(self):
         if self.mode not in ("none", "static", "dynamic"):
@@ -225,6 +228,8 @@ class ParallelConfig:
                 "parallel.mode=static or dynamic and launch with torchrun (one rank is fine), or "
                 "parallel.fsdp=none"
             )
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ValueError(f"parallel.memory_gb={self.memory_gb} must be positive (or null for the device's)")
         if self.cp_method not in ("auto", "ulysses", "ring"):
             raise ValueError(f"parallel.cp_method={self.cp_method!r}; use 'auto', 'ulysses' or 'ring'")
         if self.static_cp_size < 1:

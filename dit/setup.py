@@ -10,6 +10,21 @@ from dit.model import VideoDiT
 from dit.sizes import model_kwargs
 
 
+def model_config_of(cfg: ModelConfig) -> dict:
+    """The VideoDiT keyword arguments ``cfg`` builds, read without loading weights (a pretrained
+    folder's config.json, else the size table with the overrides)."""
+    if not cfg.pretrained:
+        return model_kwargs(cfg.size, cfg.overrides)
+    import json
+
+    from dit.wan_import import OUR_CLASS, WAN_TEXT_LEN, transformer_folder, videodit_config
+
+    config = json.loads((transformer_folder(cfg.pretrained) / "config.json").read_text())
+    if config.get("_class_name") == OUR_CLASS:
+        return {k: v for k, v in config.items() if not k.startswith("_")}
+    return videodit_config(config, WAN_TEXT_LEN)
+
+
 def build_model(cfg: ModelConfig) -> VideoDiT:
     if cfg.pretrained and cfg.overrides:
         raise ValueError(

@@ -19,7 +19,7 @@ import torch
 
 from dit.config import Config
 from dit.model import VideoDiT
-from dit.setup import build_datasets, clip_tokens, vae_stride
+from dit.setup import build_datasets, clip_tokens, model_config_of, vae_stride
 from dit.sizes import model_kwargs
 from dynamic_cp.planning.cost_model import CostModel, Hardware
 from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
@@ -52,17 +52,9 @@ def missing_paths(cfg: Config) -> list[str]:
 
 def meta_model(cfg: Config, use_pretrained: bool) -> VideoDiT:
     """The configured VideoDiT with parameters on the meta device: shapes and counts, no memory."""
-    kwargs = model_kwargs(cfg.model.size, cfg.model.overrides)
-    if use_pretrained and cfg.model.pretrained:
-        import json
-
-        from dit.wan_import import OUR_CLASS, WAN_TEXT_LEN, transformer_folder, videodit_config
-
-        config = json.loads((transformer_folder(cfg.model.pretrained) / "config.json").read_text())
-        if config.get("_class_name") == OUR_CLASS:
-            kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
-        else:
-            kwargs = videodit_config(config, WAN_TEXT_LEN)
+    kwargs = (
+        model_config_of(cfg.model) if use_pretrained else model_kwargs(cfg.model.size, cfg.model.overrides)
+    )
     with torch.device("meta"):
         return VideoDiT(**kwargs)
 
@@ -100,6 +92,35 @@ def memory_estimate(cfg: Config, model: VideoDiT, cost_model: CostModel, world_s
     parts["total"] = sum(parts.values())
     parts["gpu"] = cost_model.hw.memory_bytes
     return parts
+
+
+def sharded_memory_estimate(
+    cfg: Config, model: VideoDiT, world_size: int, replicated: dict[str, float]
+) -> tuple[str, dict[str, float]]:
+    """(fsdp mode, bytes per GPU by part) of the distributed runtime: ``parallel.fsdp`` as the
+    launcher resolves it (``auto``: for the profile's memory), priced by the memory model
+    (``dynamic_cp.planning.memory``) when it shards; ``replicated`` (``memory_estimate``) otherwise."""
+    from dynamic_cp.planning.memory import memory_breakdown
+    from dynamic_cp.runtime.fsdp import auto_fsdp_choice, model_dims_of
+
+    dims = model_dims_of(cfg, dict(model.config))
+    mode = cfg.parallel.fsdp
+    if mode == "auto":
+        mode = auto_fsdp_choice(cfg, world_size, replicated["gpu"], dims)[0]
+    if mode == "none":
+        return mode, replicated
+    m = memory_breakdown(
+        dims, mode, world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
+        shard_optimizer=cfg.parallel.shard_optimizer, ema=cfg.train.ema_decay > 0,
+    )  # fmt: skip
+    parts = {
+        "weights": m.master_weights + m.compute_weights,
+        "gradients": m.gradients,
+        "optimizer": m.optimizer,
+        "ema": m.ema,
+        "activations": m.activations,
+    }
+    return mode, {**parts, "total": m.total, "gpu": replicated["gpu"]}
 
 
 def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = print) -> int:
@@ -155,12 +176,20 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
         )
     cost_model = build_cost_model(cfg, model.config, hardware)
     mem = memory_estimate(cfg, model, cost_model, world_size)
+    mode = "none"
+    if cfg.parallel.mode != "none":
+        try:
+            mode, mem = sharded_memory_estimate(cfg, model, world_size, mem)
+        except ValueError as err:
+            mode = "no mode fits; replicated shown"
+            problems.append(f"parallel.fsdp: {err}")
     parts = ", ".join(
         f"{k} {_gb(mem[k])}" for k in ("weights", "gradients", "optimizer", "ema", "activations")
     )
     echo(
-        f"memory per GPU (estimate): {_gb(mem['total'])} GB of {mem['gpu'] / GB:.0f} GB "
-        f"({cfg.parallel.hardware}): {parts} GB"
+        f"memory per GPU (estimate, parallel.fsdp={cfg.parallel.fsdp}"
+        f"{' -> ' + mode if cfg.parallel.fsdp == 'auto' else ''}): {_gb(mem['total'])} GB of "
+        f"{mem['gpu'] / GB:.0f} GB ({cfg.parallel.hardware}): {parts} GB"
     )
     if mem["total"] > mem["gpu"]:
         echo("  does not fit: this run would run out of memory on this hardware profile")

@@ -9,7 +9,8 @@ catches a wrong reduce-scatter scale: AdamW's update alone is nearly scale-free.
 
 Resume: a 4-rank per_layer run is SIGKILLed right after its step-2 checkpoint; resumed on 4 ranks it
 logs the same losses and ends with the same weights as an uninterrupted run, bit for bit on CPU;
-resumed on 2 ranks (DCP reshards) its weights stay within 1e-6; the consolidated export loads with
+resumed on 2 ranks (DCP reshards) its weights stay within 1e-6, and so do they after the chain
+4 -> 2 -> 1 -> 4 ranks; the consolidated export loads with
 diffusers' ``from_pretrained`` and samples with ``sample.py``. A replicated (fsdp=none) checkpoint
 resumes under FSDP with the same weights, AdamW moments and EMA.
 """
@@ -155,8 +156,8 @@ def _parity_case(mode: str, world_size: int, out: str) -> dict:
 
 
 def _resume_runs(root: str) -> None:
-    """The uninterrupted 4-step per_layer run (checkpoints at steps 2 and 4)."""
-    extra = {"parallel.fsdp": "per_layer", "train.max_steps": 4, "train.checkpoint_every": 2, **DATA[4]}
+    """The uninterrupted 6-step per_layer run (checkpoints at steps 2, 4 and 6; 4 and 6 kept)."""
+    extra = {"parallel.fsdp": "per_layer", "train.max_steps": 6, "train.checkpoint_every": 2, **DATA[4]}
     train_distributed(load_config(CONFIG, overrides(f"{root}/whole", **extra)), dist.group.WORLD)
 
 
@@ -168,9 +169,26 @@ def parity_worker(rank: int, world_size: int, root: str) -> dict:
         if world_size == 2:  # spawned after the killed run: resume it here on 2 ranks
             out["on2"] = _resume_case(root, "resumed_on_2")
             out["from_replicated"] = _from_replicated(root)
+            out["auto"] = _auto_case(root)
         return out if rank == 0 else {m: {"memory": out[m]["memory"]} for m in MODES}
     except Exception:  # the spawn error shows only the last frame; keep the whole trace
         return {"error": traceback.format_exc()}
+
+
+def _auto_case(root: str) -> dict:
+    """parallel.fsdp=auto with parallel.memory_gb just above what per_layer needs at W=2: the
+    launcher must pick per_layer (the others do not fit) and train with it."""
+    from dynamic_cp.planning.memory import memory_breakdown
+    from dynamic_cp.runtime.fsdp import model_dims_of
+
+    cfg = load_config(CONFIG, overrides(f"{root}/auto", **{"train.max_steps": 1, **DATA[2]}))
+    dims, cap = model_dims_of(cfg), cfg.parallel.cap_tokens
+    need = {m: memory_breakdown(dims, m, 2, cap, ema=True).total for m in MODES}
+    gb = need["per_layer"] / 0.9 * 1.01 / 1e9
+    cfg = load_config(CONFIG, overrides(f"{root}/auto", **{"train.max_steps": 1, "parallel.memory_gb": gb, **DATA[2]}))
+    trainer = train_distributed(cfg, dist.group.WORLD)
+    return {"mode": trainer.fsdp_mode if isinstance(trainer, FSDPTrainer) else "none",
+            "per_step_fits": need["per_step"] <= 0.9 * gb * 1e9, "step": trainer.step}  # fmt: skip
 
 
 def killed_worker(rank: int, world_size: int, root: str) -> None:
@@ -218,6 +236,24 @@ def _from_replicated(root: str) -> dict:
         "exp_avg": {n: trainer.optimizer.state[p]["exp_avg"].full_tensor() for n, p in named},
         "ema": {n: t.full_tensor() for n, t in trainer.ema.params.items()},
     }
+
+
+def chain_worker(rank: int, world_size: int, root: str) -> dict:
+    """The resume chain 4 -> 2 -> 1 -> 4: the killed 4-rank run's step-2 checkpoint went on for two
+    steps on 2 ranks (``resumed_on_2``); here step 5 runs on 1 rank (a cap for one rank: the longest
+    clip needs CP 2 at the usual cap), then step 6 on 4 ranks again."""
+    try:
+        extra = {"parallel.fsdp": "per_layer", "train.checkpoint_every": 1, **DATA[4]}
+        if world_size == 1:
+            extra.update({"train.max_steps": 5, "parallel.cap_tokens": 400})
+            cfg = load_config(CONFIG, overrides(f"{root}/on1", **extra))
+            train_distributed(cfg, dist.group.WORLD, resume=f"{root}/resumed_on_2/checkpoints/step_000004")
+            return {}
+        cfg = load_config(CONFIG, overrides(f"{root}/back_on4", **{**extra, "train.max_steps": 6}))
+        trainer = train_distributed(cfg, dist.group.WORLD, resume=f"{root}/on1/checkpoints/step_000005")
+        return {"params": {n: p.full_tensor() for n, p in trainer.model.named_parameters()}}
+    except Exception:
+        return {"error": traceback.format_exc()}
 
 
 def resume_worker(rank: int, world_size: int, root: str) -> dict:
@@ -270,6 +306,9 @@ def runs(tmp_path_factory):
     for w in (2, 3):
         results[w] = run_gloo(parity_worker, w, str(root), timeout_s=240)
         _check(results[w])
+    for w in (1, 4):  # the chain goes on from the W=2 spawn's resume
+        results[f"chain{w}"] = run_gloo(chain_worker, w, str(root), timeout_s=240)
+        _check(results[f"chain{w}"])
     return root, results, on4[0], one
 
 
@@ -340,7 +379,7 @@ def test_killed_run_resumed_on_4_ranks_is_bitwise(resumed):
     root, _, _ = resumed
     assert not (root / "killed" / "checkpoints" / "step_000002.tmp").exists()
     whole, killed = _losses(root / "whole"), _losses(root / "killed")
-    assert sorted(whole) == [1, 2, 3, 4] and killed == whole
+    assert sorted(whole) == [1, 2, 3, 4, 5, 6] and killed == {s: whole[s] for s in (1, 2, 3, 4)}
     for which in ("model", "ema"):
         a = _weights(root / "whole" / "checkpoints" / "step_000004", which)
         b = _weights(root / "killed" / "checkpoints" / "step_000004", which)
@@ -353,6 +392,21 @@ def test_killed_run_resumed_on_2_ranks_matches(resumed):
     for name, p in on2["params"].items():
         err = _rel(p, whole[name])
         assert err < 1e-6, f"{name}: 4 -> 2 ranks differs by {err:.2e}"
+
+
+def test_resume_chain_4_2_1_4_matches(runs):
+    """Steps 1-2 on 4 ranks (killed), 3-4 on 2, 5 on 1, 6 on 4: the weights and logged losses of
+    the uninterrupted 4-rank run, within 1e-6 (DCP reshards at each hop; only the order of float
+    sums changes with the world size)."""
+    root, results, _, _ = runs
+    whole = _weights(root / "whole" / "checkpoints" / "step_000006")
+    for name, p in results["chain4"][0]["params"].items():
+        err = _rel(p, whole[name])
+        assert err < 1e-6, f"{name}: 4 -> 2 -> 1 -> 4 ranks differs by {err:.2e}"
+    losses = {**_losses(root / "on1"), **_losses(root / "back_on4")}
+    assert sorted(losses) == [5, 6]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(_losses(root / "whole")[step], rel=1e-6), step
 
 
 def test_export_loads_in_diffusers_and_sample_py(resumed, tmp_path):
@@ -394,18 +448,66 @@ def test_fsdp_config_errors_name_the_field(items, message):
         load_config(None, items)
 
 
-def test_auto_resolves_to_replicated_until_the_memory_model_lands():
+def test_explicit_modes_resolve_to_themselves():
     from dynamic_cp.runtime.fsdp import resolve_fsdp_mode
 
     assert load_config(None, []).parallel.fsdp == "auto"
-    for mode, want in (
-        ("auto", "none"),
-        ("none", "none"),
-        ("per_step", "per_step"),
-        ("per_layer", "per_layer"),
-    ):
+    for mode in ("none", "per_step", "per_layer"):
         cfg = load_config(None, ["parallel.mode=dynamic", f"parallel.fsdp={mode}"])
-        assert resolve_fsdp_mode(cfg, 4) == want
+        assert resolve_fsdp_mode(cfg, 4, memory_bytes=1.0) == mode  # memory matters to auto only
+
+
+WAN14B = ROOT / "configs" / "wan-14b-finetune.yaml"
+
+
+@pytest.mark.parametrize(
+    "gb, want",
+    [
+        (1000, "none"),  # replicated weights, gradients and ZeRO-1 moments fit
+        (120, "per_step"),  # 8 x 14B bf16 weights gathered once a step, sharded master and moments
+        (80, "per_layer"),  # an H100: only ZeRO-3 fits (README, configs/wan-14b-finetune.yaml)
+    ],
+)
+def test_auto_picks_the_fastest_mode_that_fits(gb, want):
+    """Wan-14B shapes (model.size, no weights), 32 ranks, checkpointing, 16,384 tokens per rank."""
+    from dynamic_cp.runtime.fsdp import auto_fsdp_choice, resolve_fsdp_mode
+
+    items = ["model.pretrained=null", "train.micro_batch_tokens=16384", "parallel.fsdp=auto"]
+    cfg = load_config(WAN14B, items)
+    mode, expected, cap = auto_fsdp_choice(cfg, 32, gb * 1e9)
+    assert (mode, cap) == (want, 16384)
+    assert expected <= 0.9 * gb * 1e9
+    assert resolve_fsdp_mode(cfg, 32, memory_bytes=gb * 1e9) == want
+
+
+def test_auto_without_a_fitting_mode_names_the_knobs():
+    from dynamic_cp.runtime.fsdp import resolve_fsdp_mode
+
+    cfg = load_config(WAN14B, ["model.pretrained=null", "parallel.fsdp=auto"])
+    with pytest.raises(ValueError, match="micro_batch_tokens.*gradient_checkpointing.*more GPUs"):
+        resolve_fsdp_mode(cfg, 2, memory_bytes=24e9)
+
+
+def test_auto_keeps_a_lora_run_replicated_and_refuses_lora_under_fsdp():
+    from dynamic_cp.runtime.fsdp import auto_fsdp_choice, resolve_fsdp_mode
+
+    items = ["model.pretrained=null", "model.lora={rank: 16}", "train.micro_batch_tokens=16384"]
+    mode, expected, _ = auto_fsdp_choice(load_config(WAN14B, [*items, "parallel.fsdp=auto"]), 1, 80e9)
+    assert mode == "none" and 28e9 < expected < 72e9  # the frozen bf16 base, adapters, activations
+    with pytest.raises(ValueError, match="parallel.fsdp=auto or none"):
+        resolve_fsdp_mode(load_config(WAN14B, [*items, "parallel.fsdp=per_layer"]), 8)
+
+
+def test_memory_gb_must_be_positive():
+    with pytest.raises(ValueError, match="parallel.memory_gb=0"):
+        load_config(None, ["parallel.memory_gb=0"])
+
+
+def test_auto_picks_per_layer_when_only_it_fits_and_trains(runs):
+    _, results, _, _ = runs
+    got = results[2][0]["auto"]
+    assert not got["per_step_fits"]  # the case is set up so that only per_layer fits
+    assert got["mode"] == "per_layer" and got["step"] == 1
 
 
 def test_fsdp_run_resumes_from_a_replicated_checkpoint(runs):

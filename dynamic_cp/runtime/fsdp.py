@@ -43,6 +43,8 @@ Between steps (validation, checkpoints) every rank runs the same forwards and st
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,18 +56,64 @@ from dit.trainer import autocast_dtype
 FSDP_MODES = ("none", "per_step", "per_layer")
 
 
-def resolve_fsdp_mode(cfg, world_size: int) -> str:
-    """``parallel.fsdp`` -> the mode this run uses ('none', 'per_step' or 'per_layer').
+def memory_per_rank(cfg) -> float:
+    """Bytes one rank may use: ``parallel.memory_gb`` when set, else the CUDA device's memory, or on
+    CPU the machine's RAM shared by the ranks of this node (``LOCAL_WORLD_SIZE``, set by torchrun)."""
+    if cfg.parallel.memory_gb is not None:
+        return cfg.parallel.memory_gb * 1e9
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
-    'auto' resolves to 'none' (replicated weights, today's behaviour) until the memory model
-    (``dynamic_cp.planning.memory``) can say which modes fit ``memory_bytes``; the lead swaps its
-    chooser in here, in this one place.
-    """
+
+def model_dims_of(cfg, model_config: dict | None = None):
+    """The memory model's ``ModelDims`` of the configured VideoDiT, or of ``model_config`` (a
+    VideoDiT config); no weights are read."""
+    from dit.setup import model_config_of
+    from dynamic_cp.planning.cost_model import ModelDims
+
+    m = model_config_of(cfg.model) if model_config is None else model_config
+    heads = m["num_attention_heads"]
+    return ModelDims(d=heads * m["attention_head_dim"], layers=m["num_layers"], ffn=m["ffn_dim"], heads=heads)
+
+
+def auto_fsdp_choice(cfg, world_size: int, memory_bytes: float, dims=None) -> tuple[str, float, int]:
+    """``parallel.fsdp: auto`` -> (mode, bytes per rank it expects, token cap): the fastest mode
+    (none, then per_step, then per_layer) whose states and one micro-batch of ``parallel.cap_tokens``
+    fit 90% of ``memory_bytes``, from the memory model ``dynamic_cp.planning.memory``. A LoRA run
+    keeps a replicated frozen base ('none'). ValueError, naming the knobs, when nothing fits.
+    ``dims``: the model's ``ModelDims`` when known (default: read from the config)."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode, memory_breakdown
+    from dynamic_cp.runtime.step_plans import cap_tokens_of
+
+    dims = model_dims_of(cfg) if dims is None else dims
+    cap = cap_tokens_of(cfg)
+    ckpt, ema = cfg.model.gradient_checkpointing, cfg.train.ema_decay > 0
+    if cfg.model.lora is not None:
+        mem = memory_breakdown(dims, "lora", world_size, cap, ckpt, ema=ema, lora_rank=cfg.model.lora.rank)
+        return "none", mem.total, cap
+    return choose_fsdp_mode(
+        dims, world_size, cap, memory_bytes, ckpt, shard_optimizer=cfg.parallel.shard_optimizer, ema=ema
+    )
+
+
+def resolve_fsdp_mode(cfg, world_size: int, memory_bytes: float | None = None) -> str:
+    """``parallel.fsdp`` -> the mode this run uses ('none', 'per_step' or 'per_layer'); 'auto' asks
+    ``auto_fsdp_choice`` with ``memory_bytes`` (default: ``memory_per_rank(cfg)``). The launcher
+    (``dynamic_cp.runtime.launch``) resolves 'auto' once, with the smallest memory of any rank, logs
+    the choice and hands the trainers the concrete mode."""
     mode = cfg.parallel.fsdp
     if mode == "auto":
-        return "none"
+        memory = memory_per_rank(cfg) if memory_bytes is None else memory_bytes
+        return auto_fsdp_choice(cfg, world_size, memory)[0]
     if mode not in FSDP_MODES:
         raise ValueError(f"parallel.fsdp={mode!r}; use 'none', 'per_step', 'per_layer' or 'auto'")
+    if mode != "none" and cfg.model.lora is not None:
+        raise ValueError(
+            f"parallel.fsdp={mode} with model.lora: LoRA trains replicated adapters on a frozen bf16 base "
+            "(Wan-14B's is 28 GB, it fits one 80 GB GPU unsharded); set parallel.fsdp=auto or none"
+        )
     return mode
 
 

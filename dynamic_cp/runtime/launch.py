@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from dit.config import Config
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
-from dynamic_cp.runtime.fsdp import resolve_fsdp_mode
+from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, resolve_fsdp_mode
 from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
 
 
@@ -27,10 +28,30 @@ def trainer_class(cfg: Config, world: dist.ProcessGroup) -> type[DistributedTrai
     return FSDPTrainer
 
 
+def resolve_auto_fsdp(cfg: Config, world: dist.ProcessGroup, device: torch.device | None = None) -> Config:
+    """``cfg`` with ``parallel.fsdp: auto`` replaced by the mode the memory model picks for the
+    smallest memory of any rank (one all-reduce, so every rank picks the same mode); rank 0 logs the
+    choice and the memory it expects. Other modes come back unchanged."""
+    if cfg.parallel.fsdp != "auto":
+        return cfg
+    memory = torch.tensor([memory_per_rank(cfg)], dtype=torch.float64, device=device)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN, group=world)
+    world_size = dist.get_world_size(world)
+    mode, expected, cap = auto_fsdp_choice(cfg, world_size, memory.item())
+    if dist.get_rank(world) == 0:
+        print(
+            f"parallel.fsdp=auto -> {mode}: expects {expected / 1e9:.2f} GB per rank of "
+            f"{memory.item() / 1e9:.1f} GB ({cap:,} tokens per rank, {world_size} ranks)",
+            flush=True,
+        )
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, fsdp=mode))
+
+
 def train_distributed(
     cfg: Config, world: dist.ProcessGroup, resume: str | None = None, device: torch.device | None = None
 ) -> DistributedTrainer:
     """Train on an initialized process group (``world``); returns the trainer (tests read it)."""
+    cfg = resolve_auto_fsdp(cfg, world, device)
     trainer = trainer_class(cfg, world)(cfg, world, resume=resume, device=device)
     trainer.train()
     return trainer
