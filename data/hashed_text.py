@@ -40,8 +40,12 @@ class HashedTextEncoder:
         out = []
         for caption in captions:
             words = re.findall(r"[a-z]+", caption.lower())[: self.max_words]
-            if not words:  # the empty caption is the unconditional input for guidance
-                out.append(torch.zeros(0, self.dim))
+            if not words:
+                # The empty caption (guidance's unconditional input) is one end-of-text row, as a
+                # T5/UMT5 encoder keeps its EOS token: every caption has a token, so the text
+                # projections take part in every step (no parameter is left without a gradient in
+                # one path and with a zero one in another) and no micro-batch has zero-length text.
+                out.append(self._word("<end>")[None])  # "<end>" is never a word: words are [a-z]+
                 continue
             vectors = torch.stack([self._word(w) for w in words])
             out.append(vectors + self.position_signal[: len(words)])

@@ -20,7 +20,26 @@ of the eager model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from dit.model import VideoDiT
+
+
+def _unbacked_packing(compiled: Callable) -> Callable:
+    """``compiled`` called with the clip count b and the text length l of its arguments as unbacked
+    sizes: dynamo specializes a backed size on 0 and 1 (a one-clip micro-batch, a one-token text
+    would each compile a graph of their own); an unbacked one never is, so every packing shares one
+    graph. The block's code reads them only where that is safe (``guard_or_false`` in
+    ``dit.model.per_token``)."""
+
+    def call(x, text, modulation, rope, seq_lens, cu_seqlens, text_cu_seqlens, *rest, **kwargs):
+        for t in (text, modulation, seq_lens, cu_seqlens, text_cu_seqlens):  # (l, D), (b, 6, D), (b,), (b+1,)
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        return compiled(x, text, modulation, rope, seq_lens, cu_seqlens, text_cu_seqlens, *rest, **kwargs)
+
+    return call
 
 
 def compile_blocks(model: VideoDiT, backend: str = "inductor") -> VideoDiT:
@@ -28,7 +47,8 @@ def compile_blocks(model: VideoDiT, backend: str = "inductor") -> VideoDiT:
     # Every block is one more frame that dynamo caches graphs for; the default cache limit (8) is
     # per code object and all blocks share DiTBlock.forward, so a few shapes never exhaust it.
     for block in model.blocks:
-        block.compile(backend=backend, dynamic=True)
+        block.compile(backend=backend, dynamic=True)  # sets _compiled_call_impl, what block(...) calls
+        block._compiled_call_impl = _unbacked_packing(block._compiled_call_impl)
     return model
 
 

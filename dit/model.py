@@ -31,6 +31,7 @@ from diffusers.models.embeddings import (
 )
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import FP32LayerNorm
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils.checkpoint import checkpoint
 
 from dit.attention import AttentionFn, cu_seqlens_from_lengths, varlen_attention
@@ -62,8 +63,11 @@ def per_token(per_clip: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int | 
     num_tokens: n when the caller knows it (a block does: x.shape[0]); under torch.compile it is a
     symbolic size, where ``int(seq_lens.sum())`` would read a tensor and break the graph.
     """
-    if per_clip.shape[0] == 1:  # one clip: broadcasting avoids materializing n copies
+    # One clip: broadcasting avoids materializing n copies. Under torch.compile b is an unbacked size
+    # (dit/compile.py), for which guard_or_false answers False without a guard: one graph for all b.
+    if guard_or_false(per_clip.shape[0] == 1):
         return per_clip[0]
+    torch._check(seq_lens.shape[0] == per_clip.shape[0])  # one length per clip (ties unbacked b's)
     n = int(seq_lens.sum()) if num_tokens is None else num_tokens
     # output_size spares CUDA a device-to-host sync to learn the result's length
     return per_clip.repeat_interleave(seq_lens.to(per_clip.device), dim=0, output_size=n)

@@ -1,8 +1,10 @@
 """A parameter no clip of the step used keeps no gradient, on every rank, as in one process.
 
-Found by the FSDP work: with one clip per step, a dropped caption gives the hashed text encoder's
-empty (zero-length) text, so the text projections get no gradient in single-process training and
-AdamW skips them. The runtime's all-reduce used to hand them a zero gradient instead, so AdamW's
+Found by the FSDP work: with one clip per step, a dropped caption gave the hashed text encoder's
+empty (zero-length) text, so the text projections got no gradient in single-process training and
+AdamW skipped them. The built-in encoders now give every caption a token (an end-of-text row, as
+T5's EOS), but a user's encoder or a latent cache without an empty-caption embedding can still give
+zero-length text: the test uses such an encoder. The runtime's all-reduce used to hand them a zero gradient instead, so AdamW's
 weight decay and moment decay moved them, and the next step's loss differed (1.72 against 1.83).
 """
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data.hashed_text import HashedTextEncoder
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
@@ -41,11 +44,23 @@ STEPS = 3
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class NoTokenForEmptyCaption(HashedTextEncoder):
+    """The hashed encoder, but an empty caption gives zero text rows (as a user's encoder may)."""
+
+    def encode(self, captions: list[str]) -> list[torch.Tensor]:
+        return [t if c.strip() else t[:0] for c, t in zip(captions, super().encode(captions))]
+
+
+def use_empty_text(trainer: Trainer) -> None:
+    trainer.encoder.text_encoder = NoTokenForEmptyCaption(trainer.model.config.text_dim, seed=trainer.cfg.data.seed)
+
+
 def _worker(rank: int, world_size: int, out_dir: str):
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"output_dir={out_dir}/r{rank}", "parallel.mode=dynamic"]
     )
     trainer = DistributedTrainer(cfg, dist.group.WORLD)
+    use_empty_text(trainer)
     batches = trainer.data_iterator()
     losses = [trainer.train_step(next(batches))["loss"] for _ in range(STEPS)]
     batches.close()
@@ -56,6 +71,7 @@ def test_parameters_no_clip_used_are_skipped_like_in_one_process(tmp_path):
     torch.set_num_threads(1)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"output_dir={tmp_path}/ref"])
     ref = Trainer(cfg, device=torch.device("cpu"))
+    use_empty_text(ref)
     sampler = GlobalBatchSampler(ref.train_indices, 1, cfg.data.seed)
     clips = [ref.prepare([ref.train_set[i] for i in sampler.batch(k)], k) for k in range(STEPS)]
     assert any(c.text.shape[0] == 0 for step in clips for c in step), "the case needs an empty caption"
