@@ -68,15 +68,19 @@ def _worker(rank: int, world_size: int, out_dir: str):
 
 
 def test_parameters_no_clip_used_are_skipped_like_in_one_process(tmp_path):
-    torch.set_num_threads(1)
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"output_dir={tmp_path}/ref"])
-    ref = Trainer(cfg, device=torch.device("cpu"))
-    use_empty_text(ref)
-    sampler = GlobalBatchSampler(ref.train_indices, 1, cfg.data.seed)
-    clips = [ref.prepare([ref.train_set[i] for i in sampler.batch(k)], k) for k in range(STEPS)]
-    assert any(c.text.shape[0] == 0 for step in clips for c in step), "the case needs an empty caption"
-    losses = [ref.train_step(step)["loss"] for step in clips]
-    for got_losses, got_params in run_gloo(_worker, 2, str(tmp_path)):
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got_losses, losses)), (got_losses, losses)
-        for p, q in zip(got_params, ref.model.parameters()):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # cores shared with the spawned ranks; restored for the tests after
+    try:
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"output_dir={tmp_path}/ref"])
+        ref = Trainer(cfg, device=torch.device("cpu"))
+        use_empty_text(ref)
+        sampler = GlobalBatchSampler(ref.train_indices, 1, cfg.data.seed)
+        clips = [ref.prepare([ref.train_set[i] for i in sampler.batch(k)], k) for k in range(STEPS)]
+        assert any(c.text.shape[0] == 0 for step in clips for c in step), "the case needs an empty caption"
+        losses = [ref.train_step(step)["loss"] for step in clips]
+        for got_losses, got_params in run_gloo(_worker, 2, str(tmp_path)):
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got_losses, losses)), (got_losses, losses)
+            for p, q in zip(got_params, ref.model.parameters()):
+                torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        torch.set_num_threads(threads)

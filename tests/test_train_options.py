@@ -42,7 +42,9 @@ def _losses(run: Path) -> dict[int, float]:
 
 def _kill_after_first_checkpoint(over: list[str]) -> int:
     """Start a long train.py run, SIGKILL it once its first checkpoint exists; -> the checkpoint step."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The killed run's steps must be bitwise those of this process: same intra-op thread count
+    # (torch's default need not be the 2 that conftest gives this process).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.Popen([sys.executable, "train.py", "--config", TINY, *over, "train.max_steps=1000"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     out = next(o.split("=", 1)[1] for o in over if o.startswith("output_dir="))
