@@ -77,7 +77,9 @@ def shape_stats(videos: list[torch.Tensor], colour: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="folder for the two runs and lora_demo.json")
     parser.add_argument("--colour", default="cyan", help="the colour the base never sees (data/synthetic.py)")
     parser.add_argument("--control", default="red", help="a colour the base knows, measured alongside")
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_sampling_model(cfg, base_step / "ema", str(lora), scale).eval()
         encoder = build_text_encoder(cfg.data, model.config.text_dim, "cpu")
 
-        def sample(texts, seed):
+        def sample(texts, seed, model=model, encoder=encoder):
             with torch.no_grad():
                 return generate(model, encoder, None, texts, frames, height, width, steps=cfg.train.sample_steps,
                                 guidance=cfg.train.sample_guidance, seed=seed, shift=cfg.flow.shift)  # fmt: skip

@@ -41,7 +41,9 @@ def check_colours(colours) -> tuple[str, ...]:
     if colours is None:
         return tuple(COLOURS)
     if isinstance(colours, str) or not colours:
-        raise ValueError(f"data.options.colours={colours!r} must be a non-empty list of names from {list(COLOURS)}")
+        raise ValueError(
+            f"data.options.colours={colours!r} must be a non-empty list of names from {list(COLOURS)}"
+        )
     unknown = [c for c in colours if c not in COLOURS]
     if unknown:
         raise ValueError(f"data.options.colours: unknown colour(s) {unknown}; choose from {list(COLOURS)}")

@@ -81,14 +81,15 @@ def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):
     ``num_val_clips`` items so the validation loss never sees a training clip.
     """
     if cfg.source == "synthetic":
-        from data.synthetic import SyntheticClips
-
         from data.build import SHAPE_OPTIONS
+        from data.synthetic import SyntheticClips
 
         # data.options for synthetic data: 'colours' (the palette); vae_stride / patch are read elsewhere
         extra = sorted(set(cfg.options) - {"colours", *SHAPE_OPTIONS})
         if extra:
-            raise ValueError(f"data.source=synthetic does not take data.options {extra}; it takes ['colours']")
+            raise ValueError(
+                f"data.source=synthetic does not take data.options {extra}; it takes ['colours']"
+            )
         kw = dict(
             frame_counts=tuple(cfg.frame_counts),
             resolutions=tuple(tuple(r) for r in cfg.resolutions),
