@@ -32,6 +32,24 @@ SHAPES = ("circle", "square")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
 
+def check_colours(colours) -> tuple[str, ...]:
+    """The palette shapes are drawn from: ``colours`` (names in COLOURS), or every colour when None.
+
+    A palette without some colour trains a base model that never sees that word, so a fine-tune (a LoRA)
+    can teach it later; ``bench/lora_demo.py`` does that.
+    """
+    if colours is None:
+        return tuple(COLOURS)
+    if isinstance(colours, str) or not colours:
+        raise ValueError(
+            f"data.options.colours={colours!r} must be a non-empty list of names from {list(COLOURS)}"
+        )
+    unknown = [c for c in colours if c not in COLOURS]
+    if unknown:
+        raise ValueError(f"data.options.colours: unknown colour(s) {unknown}; choose from {list(COLOURS)}")
+    return tuple(colours)
+
+
 @dataclass(frozen=True)
 class Shape:
     kind: str
@@ -96,6 +114,7 @@ class SyntheticClips(Dataset):
         resolutions: tuple[tuple[int, int], ...] = ((16, 16), (16, 24), (24, 16)),
         max_shapes: int = 2,
         seed: int = 0,
+        colours: tuple[str, ...] | None = None,
     ):
         if num_clips <= 0:
             raise ValueError(f"data.num_clips must be positive, got {num_clips}")
@@ -106,6 +125,7 @@ class SyntheticClips(Dataset):
         self.resolutions = tuple(tuple(r) for r in resolutions)
         self.max_shapes = max_shapes
         self.seed = seed
+        self.colours = check_colours(colours)
 
     def __len__(self) -> int:
         return self.num_clips
@@ -120,7 +140,7 @@ class SyntheticClips(Dataset):
             shapes.append(
                 Shape(
                     kind=rng.choice(SHAPES),
-                    colour=rng.choice(list(COLOURS)),
+                    colour=rng.choice(self.colours),
                     direction=rng.choice(list(DIRECTIONS)),
                     radius=radius,
                     x=rng.uniform(0, width),

@@ -81,12 +81,20 @@ def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):
     ``num_val_clips`` items so the validation loss never sees a training clip.
     """
     if cfg.source == "synthetic":
+        from data.build import SHAPE_OPTIONS
         from data.synthetic import SyntheticClips
 
+        # data.options for synthetic data: 'colours' (the palette); vae_stride / patch are read elsewhere
+        extra = sorted(set(cfg.options) - {"colours", *SHAPE_OPTIONS})
+        if extra:
+            raise ValueError(
+                f"data.source=synthetic does not take data.options {extra}; it takes ['colours']"
+            )
         kw = dict(
             frame_counts=tuple(cfg.frame_counts),
             resolutions=tuple(tuple(r) for r in cfg.resolutions),
             max_shapes=cfg.max_shapes,
+            colours=cfg.options.get("colours"),
         )
         train = SyntheticClips(cfg.num_clips, seed=cfg.seed, **kw)
         val = SyntheticClips(cfg.num_val_clips, seed=cfg.seed + 10_000, **kw)
