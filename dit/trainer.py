@@ -125,6 +125,13 @@ class Trainer:
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
         state = load_trainer_state(step_dir)
+        if "optimizer" not in state and (step_dir / "sharded").is_dir():
+            raise ValueError(
+                f"{step_dir} was written under parallel.fsdp=per_step or per_layer: its optimizer state is "
+                "in sharded/. Resume it under torchrun with parallel.fsdp=auto, per_step or per_layer (any "
+                "number of ranks), or start a new run from its weights with model.pretrained="
+                f"{step_dir / 'model'}"
+            )
         if self.lora:
             self._resume_lora(step_dir)
         else:

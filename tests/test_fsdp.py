@@ -170,6 +170,7 @@ def parity_worker(rank: int, world_size: int, root: str) -> dict:
             out["on2"] = _resume_case(root, "resumed_on_2")
             out["from_replicated"] = _from_replicated(root)
             out["auto"] = _auto_case(root)
+            out["auto_resume"] = _auto_resume_case(root)
         return out if rank == 0 else {m: {"memory": out[m]["memory"]} for m in MODES}
     except Exception:  # the spawn error shows only the last frame; keep the whole trace
         return {"error": traceback.format_exc()}
@@ -189,6 +190,15 @@ def _auto_case(root: str) -> dict:
     trainer = train_distributed(cfg, dist.group.WORLD)
     return {"mode": trainer.fsdp_mode if isinstance(trainer, FSDPTrainer) else "none",
             "per_step_fits": need["per_step"] <= 0.9 * gb * 1e9, "step": trainer.step}  # fmt: skip
+
+
+def _auto_resume_case(root: str) -> dict:
+    """parallel.fsdp=auto with memory for replicated weights, resuming the killed per_layer run's
+    sharded checkpoint: it must stay sharded (per_step), not fall back to 'none' and fail to load."""
+    extra = {"train.max_steps": 3, "train.checkpoint_every": 2, **DATA[4]}
+    cfg = load_config(CONFIG, overrides(f"{root}/auto_resume", **extra))
+    trainer = train_distributed(cfg, dist.group.WORLD, resume=f"{root}/killed/checkpoints/step_000002")
+    return {"mode": getattr(trainer, "fsdp_mode", "none"), "step": trainer.step}
 
 
 def killed_worker(rank: int, world_size: int, root: str) -> None:
@@ -508,6 +518,19 @@ def test_auto_picks_per_layer_when_only_it_fits_and_trains(runs):
     got = results[2][0]["auto"]
     assert not got["per_step_fits"]  # the case is set up so that only per_layer fits
     assert got["mode"] == "per_layer" and got["step"] == 1
+
+
+def test_auto_resuming_a_sharded_checkpoint_stays_sharded(runs):
+    _, results, _, _ = runs
+    assert results[2][0]["auto_resume"] == {"mode": "per_step", "step": 3}
+
+
+def test_a_replicated_trainer_refuses_a_sharded_checkpoint_by_name(runs, tmp_path):
+    root = runs[0]
+    step_dir = root / "killed" / "checkpoints" / "step_000002"
+    cfg = load_config(CONFIG, overrides(str(tmp_path / "one"), **{"parallel.mode": "none", "parallel.fsdp": "none"}))
+    with pytest.raises(ValueError, match="parallel.fsdp=auto, per_step or per_layer"):
+        Trainer(cfg, resume=str(step_dir), device=torch.device("cpu"))
 
 
 def test_fsdp_run_resumes_from_a_replicated_checkpoint(runs):

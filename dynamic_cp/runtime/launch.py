@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dit.checkpoint import resolve_checkpoint
 from dit.config import Config
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, resolve_fsdp_mode
@@ -28,19 +29,26 @@ def trainer_class(cfg: Config, world: dist.ProcessGroup) -> type[DistributedTrai
     return FSDPTrainer
 
 
-def resolve_auto_fsdp(cfg: Config, world: dist.ProcessGroup, device: torch.device | None = None) -> Config:
+def resolve_auto_fsdp(
+    cfg: Config, world: dist.ProcessGroup, device: torch.device | None = None, resume: str | None = None
+) -> Config:
     """``cfg`` with ``parallel.fsdp: auto`` replaced by the mode the memory model picks for the
     smallest memory of any rank (one all-reduce, so every rank picks the same mode); rank 0 logs the
-    choice and the memory it expects. Other modes come back unchanged."""
+    choice and the memory it expects. Resuming a sharded checkpoint stays sharded: where 'none' would
+    fit, 'per_step' does too (it holds less), and it reads the checkpoint's DCP shards. Other modes
+    come back unchanged."""
     if cfg.parallel.fsdp != "auto":
         return cfg
     memory = torch.tensor([memory_per_rank(cfg)], dtype=torch.float64, device=device)
     dist.all_reduce(memory, op=dist.ReduceOp.MIN, group=world)
     world_size = dist.get_world_size(world)
     mode, expected, cap = auto_fsdp_choice(cfg, world_size, memory.item())
+    why = ""
+    if mode == "none" and resume is not None and (resolve_checkpoint(resume) / "sharded").is_dir():
+        mode, why = "per_step", " (resuming a sharded checkpoint)"
     if dist.get_rank(world) == 0:
         print(
-            f"parallel.fsdp=auto -> {mode}: expects {expected / 1e9:.2f} GB per rank of "
+            f"parallel.fsdp=auto -> {mode}{why}: expects {expected / 1e9:.2f} GB per rank of "
             f"{memory.item() / 1e9:.1f} GB ({cap:,} tokens per rank, {world_size} ranks)",
             flush=True,
         )
@@ -51,7 +59,7 @@ def train_distributed(
     cfg: Config, world: dist.ProcessGroup, resume: str | None = None, device: torch.device | None = None
 ) -> DistributedTrainer:
     """Train on an initialized process group (``world``); returns the trainer (tests read it)."""
-    cfg = resolve_auto_fsdp(cfg, world, device)
+    cfg = resolve_auto_fsdp(cfg, world, device, resume)
     trainer = trainer_class(cfg, world)(cfg, world, resume=resume, device=device)
     trainer.train()
     return trainer
