@@ -233,7 +233,7 @@ def _bar_boxes(collection):
 def test_gantt_draws_each_ranks_micro_batches_barriers_and_legend(monkeypatch, tmp_path):
     import matplotlib.pyplot as plt
 
-    lengths = [3_000, 1_000, 2_000, 500]
+    lengths = [1_000, 3_000, 2_000, 500]
     p = Plan([((0, 1), [0]), ((2,), [1]), ((0,), [2]), ((1, 2), [3])], 3, 40_000, barriers_after=(1,))
     s, fig, _ = _drawn(monkeypatch, tmp_path, p, lengths, title="my run")
     ax = fig.axes[0]
@@ -254,7 +254,8 @@ def test_gantt_draws_each_ranks_micro_batches_barriers_and_legend(monkeypatch, t
         assert {tuple(handle.get_facecolor())} == colour[cp]
     # the barrier after micro-batch 1 is marked where it happens: when micro-batches 0 and 1 are done
     (line,) = ax.lines
-    when = max(s.mb_times[0], s.mb_times[1])
+    when = s.mb_times[1]  # micro-batch 1 (3000 tokens on rank 2) ends after micro-batch 0
+    assert when > s.mb_times[0] and s.rank_segments[0][1][0] == pytest.approx(when + CM.hw.intra_node_latency_s)
     assert list(line.get_xdata()) == pytest.approx([when, when]) and line.get_color() == "red"
     # the view holds the whole step and every row, rank 0 on top, without much empty space
     x0, x1 = ax.get_xlim()
