@@ -251,7 +251,9 @@ def test_layout_is_what_the_forced_comm_setting_would_charge():
     """1000 tokens on 4 ranks: the ring (latency 3 x 3 calls per layer, hidden partly) beats Ulysses."""
     auto = CostModel(TOY_DIMS, TOY)
     assert auto.layout([1000], 4) == (1, 4)
-    assert auto.micro_batch_time([1000], 4) == pytest.approx(CostModel(TOY_DIMS, TOY, "ring").micro_batch_time([1000], 4))
+    assert auto.micro_batch_time([1000], 4) == pytest.approx(
+        CostModel(TOY_DIMS, TOY, "ring").micro_batch_time([1000], 4)
+    )
     assert auto.micro_batch_time([1000], 4) < CostModel(TOY_DIMS, TOY, "ulysses").micro_batch_time([1000], 4)
     assert auto.layout([1000], 1) == (1, 1)
     # free links: every split costs nothing and the tie goes to the larger Ulysses degree
@@ -302,7 +304,9 @@ def test_sample_times_worked_by_hand():
 def test_a_clip_alone_in_its_pack_costs_its_micro_batch(length, cp, packed):
     for comm in ("auto", "ring"):
         toy = CostModel(TOY_DIMS, TOY, comm)
-        assert toy.sample_times([length], cp, packed)[0] == pytest.approx(toy.micro_batch_time([length], cp), rel=1e-12)
+        assert toy.sample_times([length], cp, packed)[0] == pytest.approx(
+            toy.micro_batch_time([length], cp), rel=1e-12
+        )
 
 
 def test_ideal_time_worked_by_hand():
@@ -336,7 +340,8 @@ def test_profiles_are_frozen_and_written_in_field_order(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         TOY_DIMS.d = 20
     text = TOY.to_yaml()
-    assert list(yaml.safe_load(text)) == [f.name for f in dataclasses.fields(Hardware)]  # as the shipped files
+    # fields in declaration order, as in the shipped profiles
+    assert list(yaml.safe_load(text)) == [f.name for f in dataclasses.fields(Hardware)]
     assert text.startswith("name: toy\npeak_flops: 1000000000000.0\n")
     path = tmp_path / "toy.profile"  # any existing file loads, whatever its suffix
     path.write_text(text)
