@@ -12,7 +12,14 @@ from dynamic_cp.planning.baselines import static_plan
 from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.megatron_baseline import megatron_plan
 from dynamic_cp.planning.plan_types import Plan, plan_violations
-from dynamic_cp.planning.simulator import Schedule, best_single_time, gantt, lower_bound, simulate, spans_nodes
+from dynamic_cp.planning.simulator import (
+    Schedule,
+    best_single_time,
+    gantt,
+    lower_bound,
+    simulate,
+    spans_nodes,
+)
 from dynamic_cp.planning.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
 
 CM = CostModel.from_name("wan-1.3b", "h100")
@@ -255,7 +262,8 @@ def test_gantt_draws_each_ranks_micro_batches_barriers_and_legend(monkeypatch, t
     # the barrier after micro-batch 1 is marked where it happens: when micro-batches 0 and 1 are done
     (line,) = ax.lines
     when = s.mb_times[1]  # micro-batch 1 (3000 tokens on rank 2) ends after micro-batch 0
-    assert when > s.mb_times[0] and s.rank_segments[0][1][0] == pytest.approx(when + CM.hw.intra_node_latency_s)
+    assert when > s.mb_times[0]
+    assert s.rank_segments[0][1][0] == pytest.approx(when + CM.hw.intra_node_latency_s)  # rank 0 waits
     assert list(line.get_xdata()) == pytest.approx([when, when]) and line.get_color() == "red"
     # the view holds the whole step and every row, rank 0 on top, without much empty space
     x0, x1 = ax.get_xlim()
@@ -273,10 +281,8 @@ def test_gantt_draws_each_ranks_micro_batches_barriers_and_legend(monkeypatch, t
     plt.close(fig)
 
 
-@pytest.mark.parametrize(
-    "world, height_px",
-    [(2, 330), (16, 552), (32, 939), (33, 963), (64, 1485)],  # int(110 dpi x clamp(0.22 * world + 1.5 in, 3, 13.5))
-)
+# height: int(110 dpi x clamp(0.22 in per rank + 1.5 in, 3 in, 13.5 in))
+@pytest.mark.parametrize("world, height_px", [(2, 330), (16, 552), (32, 939), (33, 963), (64, 1485)])
 def test_gantt_image_size_and_rank_labels(monkeypatch, tmp_path, world, height_px):
     import struct
 
