@@ -141,3 +141,42 @@ def test_rng_state_round_trip():
     a = (random.random(), np.random.rand(), torch.rand(1))
     set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1)) == a
+
+
+def test_first_save_creates_the_missing_output_directories(tmp_path):
+    """A fresh run's output_dir does not exist yet: the first save creates output_dir/checkpoints."""
+    root = tmp_path / "runs" / "new_run" / "checkpoints"
+    final = _save(root, 1)
+    assert final == root / "step_000001" and (root / "latest").read_text() == "step_000001\n"
+
+
+def test_config_yaml_keeps_the_configs_key_order(tmp_path):
+    """config.yaml is the resolved config as written, for a person to read: keys in the config's own
+    order (model before data before train), not alphabetised."""
+    config = {"model": {"width": 8}, "data": {"fps": 16}, "train": {"lr": 0.001, "batch": 2}}
+    final = save_checkpoint(tmp_path, 1, FakeModel("m"), None, {"lr_schedule": {}}, config, keep=1)
+    text = (final / "config.yaml").read_text()
+    assert text == "model:\n  width: 8\ndata:\n  fps: 16\ntrain:\n  lr: 0.001\n  batch: 2\n"
+
+
+class NotPlainData:
+    """Stands for any pickled object: loading it with full unpickling would run its class's code."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_trainer_state_with_a_pickled_object_is_refused(tmp_path):
+    torch.save({"lr_schedule": {}, "step": 3, "rng": {}, "extra": NotPlainData(1)}, tmp_path / "trainer.pt")
+    with pytest.raises(ValueError, match=r"holds a pickled Python object \(.*NotPlainData\)"):
+        load_trainer_state(tmp_path)
+
+
+def test_trainer_state_needs_exactly_the_resume_keys_and_no_more(tmp_path):
+    """lr_schedule, step and rng are required; the optimizer may live elsewhere (FSDP shards)."""
+    torch.save({"lr_schedule": {"last_epoch": 3}, "step": 3, "rng": {}}, tmp_path / "trainer.pt")
+    assert load_trainer_state(tmp_path) == {"lr_schedule": {"last_epoch": 3}, "step": 3, "rng": {}}
+    for bad in ({"lr_schedule": {}, "step": 3}, {"optimizer": {}, "step": 3, "rng": {}}, [1, 2, 3]):
+        torch.save(bad, tmp_path / "trainer.pt")
+        with pytest.raises(ValueError, match="is not a trainer state"):
+            load_trainer_state(tmp_path)

@@ -204,6 +204,12 @@ class CostModel:
         hw = self.hw
         return hw.peak_flops * hw.attention_efficiency * q / (q + hw.attention_half_tokens)
 
+    def _text_time(self, clips):
+        """Seconds of the text k/v projections of ``clips`` clips: GEMMs over their T * clips text
+        tokens (not the n video tokens); none for a model without text (T = 0, where the rate is 0)."""
+        T = self.dims.text_tokens
+        return self._text_per_clip * clips / self._gemm_rate(T * clips) if T > 0 else 0.0
+
     def _attn_time(self, L, cp):
         """Attention seconds per rank of clips of ``L`` tokens split over ``cp`` ranks (broadcasts)."""
         return self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp)
@@ -313,10 +319,7 @@ class CostModel:
         tokens = np.add.reduceat(L, starts)
         n = tokens / cp[sel]
         b = counts[sel]
-        # Text k/v projections are GEMMs over the clips' text tokens, so their size is T * b, not n.
-        lin = self._lin_per_token * n / self._gemm_rate(n) + self._text_per_clip * b / self._gemm_rate(
-            self.dims.text_tokens * b
-        )
+        lin = self._lin_per_token * n / self._gemm_rate(n) + self._text_time(b)
         comm = np.zeros(sel.size)
         cross = [None] * counts.size if cross_nodes is None else list(cross_nodes)
         keys: dict = {}
@@ -339,9 +342,7 @@ class CostModel:
         n = max(float(packed_tokens), 1.0)
         share = np.minimum((L / cp) / n, 1.0)
         rate = self._gemm_rate(np.maximum(n, L / cp))
-        lin = self._lin_per_token * L / cp / rate + self._text_per_clip / self._gemm_rate(
-            self.dims.text_tokens
-        )
+        lin = self._lin_per_token * L / cp / rate + self._text_time(1)
         attn = self._attn_time(L, cp)
         comm = self._comm_time(L, cp, attn, None, latency_share=share)
         return self.hw.micro_batch_overhead_s * share + self.hw.clip_overhead_s + lin + attn + comm
