@@ -473,3 +473,9 @@ def test_local_search_scores_growing_in_place_and_onto_idle_ranks():
     # to CP 1 on the idle rank 2, which touches ranks 0-1, would finish at 2.1 > 1.6: not taken.
     table, blocks = [[2.1, 1.6], [0.3, 1.6]], {(1, 1): [0], (1, 3): [1]}
     assert _searched(4, (1, 2), table, blocks) == ({(1, 3): [1], (2, 0): [0]}, [1, 0], [1.6, 1.6, 0.0, 0.3])
+    # And on the other side: clip 0 (3.2 s on rank 2, next to clip 1 at CP 2 on ranks 2-3) grows onto
+    # the idle ranks 0-1, which touch rank 2: max(4.5 - 3.2, 0 + 2.8) = 2.8 (CP 4 gives 3.0).
+    table, blocks = [[3.2, 2.8, 1.7], [2.8, 1.3, 0.5]], {(1, 2): [0], (2, 2): [1]}
+    blocks, k, finish = _searched(4, (1, 2, 4), table, blocks)
+    assert blocks == {(2, 2): [1], (2, 0): [0]} and k == [1, 1]
+    np.testing.assert_allclose(finish, [2.8, 2.8, 1.3, 1.3])
