@@ -93,7 +93,7 @@ def test_user_mistakes(kwargs, match):
 
 def test_empty_batch():
     p = plan([], 8, 1000, CM)
-    assert p.micro_batches == [] and p.predicted_step_s == 0.0
+    assert p.micro_batches == [] and p.predicted_step_s == 0.0 and p.solver_ms == 0.0
 
 
 def test_long_clips_get_big_groups_short_ones_small():
@@ -458,6 +458,10 @@ def test_local_search_scores_growing_in_place_and_onto_idle_ranks():
     # max(4.7 - 4.7, 0 + 1) = 1, in place on ranks 0-1 max(1, 0.4 + 1) = 1.4. Then nothing helps.
     table, blocks = [[0.4, 2.7], [4.7, 1.0]], {(1, 0): [0], (1, 1): [1]}
     assert _searched(4, (1, 2), table, blocks) == ({(1, 0): [0], (2, 2): [1]}, [0, 1], [0.4, 0.0, 1.0, 1.0])
+    # Clips 0 (2 s) and 1 (1 s) on rank 0: clip 0 goes to CP 2 on the idle ranks 2-3, max(3 - 2, 1.8)
+    # = 1.8. Growing clip 1 in place would leave rank 0 at 3 - 1 + 1.4 = 3.4, since clip 0 stays.
+    table, blocks = [[2.0, 1.8], [1.0, 1.4]], {(1, 0): [0, 1]}
+    assert _searched(4, (1, 2), table, blocks) == ({(1, 0): [1], (2, 2): [0]}, [1, 0], [1.0, 0.0, 1.8, 1.8])
     # Clip 1 (3 s on rank 2, rank 3 idle) grows in place onto ranks 2-3: max(3 - 3 + 2.7, 0 + 2.7) =
     # 2.7; onto ranks 0-1, which hold 0.5 s, it would finish at 3.2.
     table, blocks = [[9.0, 0.5], [3.0, 2.7]], {(2, 0): [0], (1, 2): [1]}
@@ -479,3 +483,20 @@ def test_local_search_scores_growing_in_place_and_onto_idle_ranks():
     blocks, k, finish = _searched(4, (1, 2, 4), table, blocks)
     assert blocks == {(2, 2): [1], (2, 0): [0]} and k == [1, 1]
     np.testing.assert_allclose(finish, [2.8, 2.8, 1.3, 1.3])
+
+
+@pytest.mark.parametrize(
+    "lengths, cap, share",
+    [
+        ([5_000, 3_000], 20_000, 4_000.0),  # a rank's even share of the batch, 8000 / 2, under the cap
+        ([1, 1], 20_000, 1.0),  # one token per rank
+        ([10_000] * 3, 12_000, 12_000.0),  # 15000 tokens per rank: micro-batches fill up to the cap
+    ],
+)
+def test_estimate_prices_clips_in_packs_of_a_ranks_share_up_to_the_cap(lengths, cap, share):
+    """The additive estimate (``info['estimate_s']``) prices each clip as part of a micro-batch of
+    min(cap, max(tokens / W, 1)) tokens per rank. CP 1 only, 2 ranks: the busiest rank holds the
+    first clip, plus the third when there are three (equal clips)."""
+    p = plan(lengths, 2, cap, CM, cp_sizes=[1])
+    times = CM.sample_times(np.array(lengths), 1, share)
+    assert p.info["estimate_s"] == pytest.approx(times[0] + (times[2] if len(lengths) == 3 else 0.0))
