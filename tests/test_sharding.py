@@ -81,3 +81,81 @@ def test_errors(args, match):
 def test_shard_rejects_wrong_length():
     with pytest.raises(ValueError, match="same micro-batch"):
         make_shard_info([3, 4], 2, 0).shard(torch.zeros(6, 2))
+
+
+def test_shard_info_sizes_and_count_on_an_uneven_split():
+    # 7 tokens over 3 shards: bounds [0, 3, 5, 7], so shards hold 3, 2, 2 tokens
+    info = make_shard_info([3, 4], 3, 1)
+    assert info.num_shards == 3
+    assert info.shard_sizes == [3, 2, 2]
+    assert (info.start, info.end, info.num_local) == (3, 5, 2)
+    assert make_shard_info([5], 1, 0).shard_sizes == [5]
+    assert make_shard_info([1], 4, 3).shard_sizes == [1, 0, 0, 0]  # n < c: empty shards
+
+
+def test_shard_info_is_immutable():
+    """Every rank derives the same ShardInfo from the same lengths; nothing may edit one in place."""
+    import dataclasses
+
+    info = make_shard_info([3, 4], 2, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.rank = 1
+
+
+class _FakeGroup:
+    """A CP group of ``c`` ranks simulated in one process: this process plays ``rank``, and the
+    all-gather returns every rank's shard of ``full``, zero-padded to the largest shard as the real
+    ranks would send it. It records what this rank sent."""
+
+    def __init__(self, full, bounds, rank):
+        self.full, self.bounds, self.rank, self.sent = full, bounds, rank, None
+
+    def install(self, monkeypatch):
+        import torch.distributed as dist
+
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: self.rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(self.bounds) - 1)
+        monkeypatch.setattr(dist, "all_gather", self.all_gather)
+
+    def all_gather(self, parts, tensor, group=None):
+        self.sent = tensor.clone()
+        assert len(parts) == len(self.bounds) - 1
+        for r, part in enumerate(parts):
+            shard = self.full[self.bounds[r] : self.bounds[r + 1]]
+            assert part.shape == tensor.shape
+            part.zero_()
+            part[: shard.shape[0]] = shard
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_gather_shards_pads_gathers_trims_and_keeps_its_own_gradient(monkeypatch, rank):
+    """Uneven shards (3, 2, 2 tokens of 7) of a (7, 5) tensor: each rank sends its shard zero-padded
+    to 3 rows, gets back the full tensor, and the backward hands it its own rows of the gradient."""
+    from dynamic_cp.attention.sharding import gather_shards
+
+    full = torch.arange(35, dtype=torch.float32).reshape(7, 5) + 1  # no zero rows: padding shows
+    info = make_shard_info([3, 4], 3, rank)
+    group = _FakeGroup(full, info.bounds, rank)
+    group.install(monkeypatch)
+    local = info.shard(full).clone().requires_grad_(True)
+    out = gather_shards(local, group, info)
+    assert torch.equal(out, full)
+    want_sent = torch.zeros(3, 5)
+    want_sent[: info.num_local] = full[info.start : info.end]
+    assert torch.equal(group.sent, want_sent)
+    weight = torch.arange(35, dtype=torch.float32).reshape(7, 5) * 0.5
+    (out * weight).sum().backward()
+    assert torch.equal(local.grad, weight[info.start : info.end])
+
+
+def test_gather_shards_rejects_a_mismatched_group_or_shard(monkeypatch):
+    from dynamic_cp.attention.sharding import gather_shards
+
+    full = torch.ones(7, 2)
+    info = make_shard_info([3, 4], 3, 0)
+    _FakeGroup(full, (0, 4, 7), 0).install(monkeypatch)  # a 2-rank group
+    with pytest.raises(ValueError, match="group has 2 ranks"):
+        gather_shards(full[:3], None, info)
+    _FakeGroup(full, info.bounds, 0).install(monkeypatch)
+    with pytest.raises(ValueError, match="x has 2 tokens"):
+        gather_shards(full[:2], None, info)
