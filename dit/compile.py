@@ -6,8 +6,10 @@ the blocks (packing, RoPE tables, CP sharding) stays eager.
 
 Packed micro-batches change shape every step: n tokens, b clips and l text tokens all vary. Compiling
 with ``dynamic=True`` makes those sizes symbolic from the first compile, so a new packing reuses the
-graph instead of recompiling; only sizes 0 and 1 specialize (one clip in a micro-batch takes a
-broadcast path in ``per_token``), so a run settles at a handful of graphs.
+graph instead of recompiling. Dynamo still specializes a symbolic size on 0 and 1, so b and l enter
+as unbacked sizes (``_unbacked_packing``), which it never specializes: a one-clip micro-batch shares
+the graph of the others (30 steps of mixed packings: 1 recompile per frame at most, in the first
+step; tests/test_compile.py).
 
 Attention stays eager (``dit.model.eager_attention`` is a graph break): CP collectives never enter a
 compiled region, and the per-clip loops of the varlen kernels are not unrolled into the graph. What
