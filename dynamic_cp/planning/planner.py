@@ -179,8 +179,10 @@ def _place_joint(
     k = np.argmin(work, axis=1)  # small clips keep their cheapest size
     target = max(float(cheapest.sum()) / world, float(table.min(axis=1).max()))
     big = np.flatnonzero(table[np.arange(n), k] > big_share * target)
-    # most work first, then id: deterministic; at most 2 W of them, since with many equal clips
-    # (all "big") LPT placement at the cheapest size is already what this search would find
+    # most work first, then id: deterministic; at most 2 W of them, to bound the cost. The cap can
+    # lose: five equal clips on 2 ranks finish at 3.0 where searching all five reaches 2.55
+    # (test_joint_placement_searches_at_most_2w_clips); local search and the simulator's pick of
+    # the best candidate run afterwards
     big = big[np.lexsort((big, -cheapest[big]))][: 2 * world]
     remaining = float(cheapest.sum())
     placed_work = 0.0
