@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dit.config import load_config  # noqa: E402
+from dynamic_cp.runtime.fsdp import bytes_at_rest, track_gathered_peak  # noqa: E402
 from dynamic_cp.runtime.launch import trainer_class  # noqa: E402
 from dynamic_cp.runtime.testing import run_gloo  # noqa: E402
 
@@ -62,30 +62,6 @@ def overrides(out: str, model: str, mode: str) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
-def _local_bytes(tensors) -> int:
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-def _memory(trainer) -> dict:
-    params = list(trainer.model.parameters())
-    states = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
-    return {
-        "params": _local_bytes(params),
-        "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-        "optim": _local_bytes(states),
-    }
-
-
-def _track_gathered(model, peak: list[int]) -> None:
-    def hook(*_):
-        plain = sum(p.nbytes for p in model.parameters() if not isinstance(p, DTensor))
-        peak[0] = max(peak[0], plain)
-
-    for block in model.blocks:
-        block.register_forward_pre_hook(hook)
-        block.register_forward_hook(hook)
-
-
 def worker(rank: int, world_size: int, model: str, steps: int, out: str) -> dict:
     trainers, iters, peaks = {}, {}, {}
     for mode in MODES:
@@ -93,7 +69,7 @@ def worker(rank: int, world_size: int, model: str, steps: int, out: str) -> dict
         t = trainer_class(cfg, dist.group.WORLD)(cfg, dist.group.WORLD)
         peaks[mode] = [0]
         if mode != "none":  # replicated weights are always all there
-            _track_gathered(t.model, peaks[mode])
+            track_gathered_peak(t.model, peaks[mode])
         trainers[mode], iters[mode] = t, t.data_iterator()
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for step in range(steps + 1):  # step 0 warms up (FSDP lazy init, DTensor sharding caches)
@@ -111,7 +87,7 @@ def worker(rank: int, world_size: int, model: str, steps: int, out: str) -> dict
     replicated = sum(p.numel() * p.element_size() for p in trainers["none"].model.parameters())
     return {
         "times": times,
-        "memory": {m: _memory(t) for m, t in trainers.items()},
+        "memory": {m: bytes_at_rest(t.model, t.optimizer) for m, t in trainers.items()},
         "gathered": {m: (replicated if m == "none" else peaks[m][0]) for m in MODES},
         "replicated": replicated,
     }

@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing import ProcessExitedException
 
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
 from dynamic_cp.planning.rounds import lockstep_rounds
+from dynamic_cp.runtime.fsdp import bytes_at_rest, track_gathered_peak
 from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
 from dynamic_cp.runtime.launch import train_distributed
 from dynamic_cp.runtime.testing import run_gloo
@@ -104,37 +104,11 @@ class PerturbedTrainer(Trainer):
         perturb(self.model)
 
 
-def _bytes(tensors) -> int:
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-def _memory(trainer: FSDPTrainer) -> dict:
-    """Bytes this rank holds at rest: parameter shards, gradient shards, AdamW moments."""
-    params = list(trainer.model.parameters())
-    states = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0]
-    return {
-        "params": _bytes(params),
-        "grads": _bytes(p.grad for p in params if p.grad is not None),
-        "optim": _bytes(states),
-    }
-
-
-def _track_gathered(model: torch.nn.Module, peak: list[int]) -> None:
-    """peak[0] <- most bytes of gathered (plain, not DTensor) parameters seen at any block's forward."""
-
-    def hook(*_):
-        peak[0] = max(peak[0], sum(p.nbytes for p in model.parameters() if not isinstance(p, DTensor)))
-
-    for block in model.blocks:
-        block.register_forward_pre_hook(hook)  # after FSDP's own pre-forward: the block is gathered
-        block.register_forward_hook(hook)
-
-
 def _parity_case(mode: str, world_size: int, out: str) -> dict:
     cfg = load_config(CONFIG, overrides(out, **{"parallel.fsdp": mode, **DATA[world_size]}))
     trainer = PerturbedFSDP(cfg, dist.group.WORLD)
     peak = [0]
-    _track_gathered(trainer.model, peak)
+    track_gathered_peak(trainer.model, peak)
     batches = trainer.data_iterator()
     steps = []
     for _ in range(STEPS):
@@ -152,7 +126,12 @@ def _parity_case(mode: str, world_size: int, out: str) -> dict:
         )
     batches.close()
     full = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}  # collective
-    return {"steps": steps, "params": full, "memory": _memory(trainer), "gathered_peak": peak[0]}
+    return {
+        "steps": steps,
+        "params": full,
+        "memory": bytes_at_rest(trainer.model, trainer.optimizer),
+        "gathered_peak": peak[0],
+    }
 
 
 def _resume_runs(root: str) -> None:
@@ -186,7 +165,9 @@ def _auto_case(root: str) -> dict:
     dims, cap = model_dims_of(cfg), cfg.parallel.cap_tokens
     need = {m: memory_breakdown(dims, m, 2, cap, ema=True).total for m in MODES}
     gb = need["per_layer"] / 0.9 * 1.01 / 1e9
-    cfg = load_config(CONFIG, overrides(f"{root}/auto", **{"train.max_steps": 1, "parallel.memory_gb": gb, **DATA[2]}))
+    cfg = load_config(
+        CONFIG, overrides(f"{root}/auto", **{"train.max_steps": 1, "parallel.memory_gb": gb, **DATA[2]})
+    )
     trainer = train_distributed(cfg, dist.group.WORLD)
     return {"mode": trainer.fsdp_mode if isinstance(trainer, FSDPTrainer) else "none",
             "per_step_fits": need["per_step"] <= 0.9 * gb * 1e9, "step": trainer.step}  # fmt: skip
@@ -528,7 +509,9 @@ def test_auto_resuming_a_sharded_checkpoint_stays_sharded(runs):
 def test_a_replicated_trainer_refuses_a_sharded_checkpoint_by_name(runs, tmp_path):
     root = runs[0]
     step_dir = root / "killed" / "checkpoints" / "step_000002"
-    cfg = load_config(CONFIG, overrides(str(tmp_path / "one"), **{"parallel.mode": "none", "parallel.fsdp": "none"}))
+    cfg = load_config(
+        CONFIG, overrides(str(tmp_path / "one"), **{"parallel.mode": "none", "parallel.fsdp": "none"})
+    )
     with pytest.raises(ValueError, match="parallel.fsdp=auto, per_step or per_layer"):
         Trainer(cfg, resume=str(step_dir), device=torch.device("cpu"))
 

@@ -73,9 +73,7 @@ def model_dims_of(cfg, model_config: dict | None = None):
     from dit.setup import model_config_of
     from dynamic_cp.planning.cost_model import ModelDims
 
-    m = model_config_of(cfg.model) if model_config is None else model_config
-    heads = m["num_attention_heads"]
-    return ModelDims(d=heads * m["attention_head_dim"], layers=m["num_layers"], ffn=m["ffn_dim"], heads=heads)
+    return ModelDims.from_config(model_config_of(cfg.model) if model_config is None else model_config)
 
 
 def auto_fsdp_choice(cfg, world_size: int, memory_bytes: float, dims=None) -> tuple[str, float, int]:
@@ -205,6 +203,35 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> tor
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def bytes_at_rest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds between steps: its parameters, their gradients and the optimizer's
+    tensor states (AdamW's moments; the scalar step counts aside). DTensors (FSDP2 shards) count
+    their local shard, plain tensors (replicated training) the whole tensor."""
+
+    def local(tensors) -> int:
+        return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {
+        "params": local(params),
+        "grads": local(p.grad for p in params if p.grad is not None),
+        "optim": local(states),
+    }
+
+
+def track_gathered_peak(model: torch.nn.Module, peak: list[int]) -> None:
+    """peak[0] <- most bytes of gathered (plain, not DTensor) parameters seen at any block's forward
+    (hooks on ``model.blocks``; registered after FSDP's own, so a block is gathered when they run)."""
+
+    def hook(*_):
+        peak[0] = max(peak[0], sum(p.nbytes for p in model.parameters() if not isinstance(p, DTensor)))
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(hook)
+        block.register_forward_hook(hook)
 
 
 class ShardedEMA:
