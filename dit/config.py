@@ -229,7 +229,9 @@ class ParallelConfig:
                 "parallel.fsdp=none"
             )
         if self.memory_gb is not None and not self.memory_gb > 0:
-            raise ValueError(f"parallel.memory_gb={self.memory_gb} must be positive (or null for the device's)")
+            raise ValueError(
+                f"parallel.memory_gb={self.memory_gb} must be positive (or null for the device's)"
+            )
         if self.cp_method not in ("auto", "ulysses", "ring"):
             raise ValueError(f"parallel.cp_method={self.cp_method!r}; use 'auto', 'ulysses' or 'ring'")
         if self.static_cp_size < 1:

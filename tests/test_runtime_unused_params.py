@@ -52,7 +52,9 @@ class NoTokenForEmptyCaption(HashedTextEncoder):
 
 
 def use_empty_text(trainer: Trainer) -> None:
-    trainer.encoder.text_encoder = NoTokenForEmptyCaption(trainer.model.config.text_dim, seed=trainer.cfg.data.seed)
+    trainer.encoder.text_encoder = NoTokenForEmptyCaption(
+        trainer.model.config.text_dim, seed=trainer.cfg.data.seed
+    )
 
 
 def _worker(rank: int, world_size: int, out_dir: str):
