@@ -88,8 +88,7 @@ def part2(rank: int) -> None:
         lora.freeze_base(model, torch.bfloat16)
         adapters = sum(p.numel() for p in lora.add_lora(model, lora.peft_config(LoraSettings(rank=rank))))
     cfg = model.config
-    dims = ModelDims(d=cfg.num_attention_heads * cfg.attention_head_dim, layers=cfg.num_layers,
-                     ffn=cfg.ffn_dim, heads=cfg.num_attention_heads)  # fmt: skip
+    dims = ModelDims.from_config(cfg)
     hw = Hardware.load("h100")
     cost = CostModel(dims, hw)
     usable = 0.9 * hw.memory_bytes

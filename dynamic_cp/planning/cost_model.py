@@ -139,17 +139,24 @@ class ModelDims:
         # self-attn 4d^2 + cross-attn 4d^2 + FFN 2df per block; embeddings are negligible here.
         return self.layers * (8 * self.d * self.d + 2 * self.d * self.ffn)
 
+    @classmethod
+    def from_config(cls, config, text_tokens: int = 512) -> ModelDims:
+        """Dims of a VideoDiT (or diffusers Wan) config: a mapping with ``num_attention_heads``,
+        ``attention_head_dim``, ``num_layers`` and ``ffn_dim``, as in ``dit.sizes.MODEL_SIZES``."""
+        heads = config["num_attention_heads"]
+        return cls(
+            d=heads * config["attention_head_dim"],
+            layers=config["num_layers"],
+            ffn=config["ffn_dim"],
+            heads=heads,
+            text_tokens=text_tokens,
+        )
 
-# Name -> dims registry, like DiT's size table. Wan2.1 sizes from its config files.
+
+# Name -> dims registry, like DiT's size table. Wan2.1 sizes from its config files; Wan pads
+# captions to 512 umT5 tokens.
 MODELS: dict[str, ModelDims] = {
-    name: ModelDims(
-        d=MODEL_SIZES[name]["num_attention_heads"] * MODEL_SIZES[name]["attention_head_dim"],
-        layers=MODEL_SIZES[name]["num_layers"],
-        ffn=MODEL_SIZES[name]["ffn_dim"],
-        heads=MODEL_SIZES[name]["num_attention_heads"],
-        text_tokens=512,  # Wan pads captions to 512 umT5 tokens
-    )
-    for name in ("wan-1.3b", "wan-14b")
+    name: ModelDims.from_config(MODEL_SIZES[name], text_tokens=512) for name in ("wan-1.3b", "wan-14b")
 }
 
 

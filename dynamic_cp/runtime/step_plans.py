@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from dit.config import Config
 from dynamic_cp.planning.baselines import static_plan
-from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
 from dynamic_cp.planning.groups_layout import default_cp_sizes, normalize_cp_sizes
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.planner import plan as dynamic_plan
@@ -47,15 +47,10 @@ def build_cost_model(cfg: Config, model_config, hardware: Hardware | None = None
             "parallel.hardware=auto is resolved by the runtime at start-up; pass the measured profile "
             "or set parallel.hardware to a profile name (h100, h200, a100) or a yaml path"
         )
-    heads = model_config.num_attention_heads
     text = HASHED_TEXT_TOKENS if cfg.data.text_encoder == "hashed" else cfg.data.text_max_length
-    return CostModel.from_dims(
-        d=heads * model_config.attention_head_dim,
-        layers=model_config.num_layers,
-        ffn=model_config.ffn_dim,
-        heads=heads,
-        text_tokens=text,
-        hardware=hardware if hardware is not None else cfg.parallel.hardware,
+    return CostModel(
+        ModelDims.from_config(model_config, text_tokens=text),
+        hardware if hardware is not None else Hardware.load(cfg.parallel.hardware),
         comm=cfg.parallel.cp_method,
     )
 
