@@ -249,7 +249,10 @@ def test_gantt_draws_each_ranks_micro_batches_barriers_and_legend(monkeypatch, t
     top, bottom = np.inf, -np.inf
     for r, coll in enumerate(ax.collections):
         boxes = _bar_boxes(coll)
-        assert [b[:2] for b in boxes] == pytest.approx([seg[:2] for seg in s.rank_segments[r]])
+        # arrays: pytest >= 9.2 refuses nested lists in approx
+        assert np.array([b[:2] for b in boxes]) == pytest.approx(
+            np.array([seg[:2] for seg in s.rank_segments[r]])
+        )
         for (_, _, y0, y1), face, (_, _, i) in zip(boxes, coll.get_facecolor(), s.rank_segments[r]):
             assert (y0 + y1) / 2 == pytest.approx(r) and 0.5 < y1 - y0 < 1  # centred, rows don't touch
             colour.setdefault(len(p.micro_batches[i][0]), set()).add(tuple(face))
