@@ -58,6 +58,63 @@ def test_refit_takes_effect_at_a_fixed_step(plan_lag):
     assert learner.model.hw != PRIOR.hw
 
 
+def test_the_speed_factor_follows_a_cluster_that_slows_down():
+    """The cluster runs 1.3x slower from step 8 (clocks, a neighbour job): the fit, refitted every
+    4 steps over its whole window, would lag; the per-step speed factor (median of the last 3
+    steps' measured / fitted ratio) has predictions track the slower truth from step 10 on (step 8
+    and 9 observed, effective one step later), while the plans themselves stay the same."""
+    import random
+
+    from dynamic_cp.planning.simulator import simulate
+
+    rng = random.Random(0)
+    fast = true_cluster(PRIOR)
+    slow = fast.scaled(1.3)
+    learner = _learner(start_step=0, plan_lag=0, refit_every=4, skip_steps=0, explore=False)
+    lengths = [30000, 20000, 9000, 5000, 3000, 2000, 1000, 800] * 2
+    errors = {}
+    for s in range(14):
+        true = slow if s >= 8 else fast
+        plan = learner.plan(lengths)
+        errors[s] = abs(plan.predicted_step_s / simulate(plan, lengths, true).step_s - 1)
+        measured = [
+            (a, secs * (1 + 0.02 * rng.uniform(-1, 1)), c) for a, secs, c in _measure(plan, lengths, true)
+        ]
+        learner.observe(s, plan, lengths, measured)
+    assert max(errors[s] for s in (5, 6, 7)) < 0.03  # the fit alone, before the slow-down
+    assert errors[8] > 0.2  # nothing could know yet
+    assert max(errors[s] for s in range(10, 14)) < 0.03
+    assert learner.plan(lengths).info["speed"] == pytest.approx(1.3, rel=0.05)
+    unscaled = learner.make_plan(learner._models[-1][1], lengths)
+    assert learner.plan(lengths).micro_batches == unscaled.micro_batches
+
+
+def test_the_speed_factor_is_relative_to_the_fit_in_use():
+    """A prior 50x too fast: after step 0 the speed factor is above 30 (measured / prior); the refit
+    after step 1 explains what steps 0 and 1 measured, so the factor is about 1 again (the recent
+    steps are re-priced under the new fit, not kept at the prior's seconds)."""
+    true = true_cluster(PRIOR)
+    learner = CostLearner(
+        PRIOR.scaled(1 / 50),
+        lambda model, lengths: dynamic_plan(lengths, W, CAP, model, cp_sizes=(1, 2, 4, 8)),
+        cp_sizes=(1, 2, 4, 8),
+        cap_tokens=CAP,
+        start_step=0,
+        plan_lag=0,
+        refit_every=4,
+        skip_steps=0,
+        explore=False,
+    )
+    lengths = [30000, 9000, 3000, 800] * 4
+    speeds = []
+    for s in range(2):
+        plan = learner.plan(lengths)
+        speeds.append(plan.info["speed"])
+        learner.observe(s, plan, lengths, _measure(plan, lengths, true))
+    assert speeds[0] == 1.0 and speeds[1] > 30  # the prior alone, then the prior at the measured pace
+    assert learner.plan(lengths).info["speed"] == pytest.approx(1.0, rel=0.02)  # the fit's own pace
+
+
 def test_exploration_is_bounded_and_keeps_plans_valid():
     learner = _learner(start_step=0, plan_lag=0, explore_budget=0.5)
     lengths = [25000] * 32  # 4 clips a rank, each fits one: the planner alone runs them at CP 1
@@ -131,7 +188,8 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             plans.append(json.dumps([batch.plan.micro_batches, batch.plan.info]))
             trainer.train_step(batch)
             trainer.step += 1
-            models.append(json.dumps(trainer.learner.state_dict()["models"]))
+            state = trainer.learner.state_dict()
+            models.append(json.dumps([state["models"], state["speeds"]]))
         batches.close()
         trainer.save()
         return {"plans": plans, "models": models, "refits": trainer.learner.num_refits}

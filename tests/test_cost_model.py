@@ -443,3 +443,20 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     cm = CostModel.from_dims(64, 2, 256, 2, hardware=str(out))
     assert cm.micro_batch_time([512], 1) > 0
     assert main(["--out", str(out), "--d", "65", "--heads", "2"]) == 2
+
+
+@pytest.mark.parametrize("comm", ["auto", "ring"])
+def test_scaled_model_is_the_same_cluster_slower(comm):
+    """``scaled(f)``: every micro-batch time (compute, Ulysses and ring traffic, across nodes or not)
+    is f times the original, and the layouts it picks do not change."""
+    hw = dataclasses.replace(Hardware.load("h100"), clip_overhead_s=2e-4, gpus_per_node=4)
+    base = CostModel.from_dims(d=1536, layers=30, ffn=8960, heads=12, hardware=hw, comm=comm)
+    slow = base.scaled(1.7)
+    for lengths, cp in [([700], 1), ([9000, 300, 77], 2), ([33000], 4), ([75000, 1200], 8)]:
+        for cross in (False, True) if cp > 1 else (None,):
+            assert slow.micro_batch_time(lengths, cp, cross) == pytest.approx(
+                1.7 * base.micro_batch_time(lengths, cp, cross), rel=1e-12
+            )
+            assert slow.layout(lengths, cp, cross) == base.layout(lengths, cp, cross)
+    with pytest.raises(ValueError, match="positive"):
+        base.scaled(0.0)

@@ -423,6 +423,24 @@ class CostModel:
         )
         return CostModel(self.dims, learned, self.comm)
 
+    def scaled(self, factor: float) -> CostModel:
+        """This cluster running ``factor`` times slower: every time this model gives, times ``factor``
+        (the rates divide by it, latencies and overheads multiply), the efficiency curves unchanged."""
+        if not factor > 0:
+            raise ValueError(f"scale factor {factor!r} must be positive")
+        hw = self.hw
+        slower = replace(
+            hw,
+            peak_flops=hw.peak_flops / factor,
+            intra_node_bandwidth=hw.intra_node_bandwidth / factor,
+            inter_node_bandwidth=hw.inter_node_bandwidth / factor,
+            intra_node_latency_s=hw.intra_node_latency_s * factor,
+            inter_node_latency_s=hw.inter_node_latency_s * factor,
+            micro_batch_overhead_s=hw.micro_batch_overhead_s * factor,
+            clip_overhead_s=hw.clip_overhead_s * factor,
+        )
+        return CostModel(self.dims, slower, self.comm)
+
     # ---------------------------------------------------------------- memory
     def activation_bytes_per_token(self, activation_checkpointing: bool = False) -> float:
         """Bytes of saved activations per token for the whole network (bf16).

@@ -6,6 +6,16 @@
                      the step's gradient all-reduce, so every rank holds the same numbers)
     every K steps -> ``CostModel.fit(window of observations, prior)``, used from step s + 1 + lag on
                      (and after 2, 4, 8, ... steps of the run before the first K)
+    every step    -> the speed factor: median over the last ``SPEED_STEPS`` steps of measured /
+                     fitted seconds of their micro-batches; plans use the fit times it
+                     (``CostModel.scaled``), from step s + 1 + lag on
+
+Why a speed factor: a fit averages its window (hundreds of micro-batches, many steps), but a
+machine's speed drifts within it (clocks, thermal limits, other jobs on the node): on the CPU
+bench, 10-20% for ten steps at a time, which a fit every K steps follows only K steps late. The
+shape of the costs (what planning decides on) changes slowly and stays with the fit; the overall
+pace is one number, cheap to follow every step. Plans do not change with it (every time scales
+alike); predicted step times, the Gantt chart's planned bars and the saved profile do.
 
 Determinism: plans must be identical on every rank, and with ``parallel.plan_ahead`` the plan of step
 s+1 runs in a thread while step s computes. So nothing the thread reads changes under it: every
@@ -23,6 +33,7 @@ size around it (if it fits the cap). The change is taken only if the model predi
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
@@ -36,6 +47,7 @@ from dynamic_cp.planning.simulator import simulate, spans_nodes
 
 MIN_OBSERVATIONS = 3  # per (CP size, layout) before exploration stops asking for it
 MAX_OBSERVATIONS = 1024  # the fit's window: recent micro-batches (the cluster may drift)
+SPEED_STEPS = 3  # steps whose measured / fitted ratio (median) gives the speed factor
 PROFILE_FILE = "learned_profile.yaml"
 TIMELINES_FILE = "timelines.jsonl"
 
@@ -72,6 +84,9 @@ class CostLearner:
         # (effective step, model) and (effective step, counts); plans read, the main thread appends
         self._models: list[tuple[int, CostModel]] = [(start_step, prior)]
         self._counts: list[tuple[int, dict]] = [(start_step, {})]
+        self._speeds: list[tuple[int, float]] = [(start_step, 1.0)]
+        # the last steps' observations, each with the seconds the newest fit gives them
+        self._recent: deque[tuple[list[Observation], float]] = deque(maxlen=SPEED_STEPS)
         self.observations: deque[Observation] = deque(maxlen=MAX_OBSERVATIONS)
         self._seen: Counter = Counter()
         self.num_refits = 0
@@ -81,8 +96,8 @@ class CostLearner:
 
     @property
     def model(self) -> CostModel:
-        """Newest fitted model (what the next refit publishes)."""
-        return self._models[-1][1]
+        """Newest model: the newest fit at the newest speed factor."""
+        return _at_speed(self._models[-1][1], self._speeds[-1][1])
 
     def _at(self, versions: list, step: int) -> tuple:
         """(effective step, value) of the newest version effective at ``step``."""
@@ -93,12 +108,15 @@ class CostLearner:
         """Plan of the next step (calls come in step order, from one thread at a time)."""
         step = self._next_plan_step
         self._next_plan_step += 1
-        model_step, model = self._at(self._models, step)
+        model_step, fitted = self._at(self._models, step)
+        speed = self._at(self._speeds, step)[1]
+        model = _at_speed(fitted, speed)
         plan = self.make_plan(model, lengths)
         plan.info["layouts"] = [
             model.layout([lengths[i] for i in ids], len(r)) for r, ids in plan.micro_batches
         ]
-        plan.info["model_step"] = model_step
+        plan.info["model_step"] = model_step  # the fit's; the speed factor changes every step
+        plan.info["speed"] = speed
         plan.info["explore_s"] = 0.0
         if self.explore:
             self._explore(plan, lengths, model, self._at(self._counts, step)[1])
@@ -151,6 +169,7 @@ class CostLearner:
     ) -> bool:
         """Record step ``step``'s micro-batches ((start, seconds, comm seconds) each, plan order);
         refit on schedule. Returns whether a new model was published."""
+        new: list[Observation] = []
         if step - self.first_step >= self.skip_steps:
             gpn = self.prior.hw.gpus_per_node
             for (ranks, ids), layout, (_, secs, comm) in zip(
@@ -166,20 +185,32 @@ class CostLearner:
                     secs,
                     comm,
                 )
-                self.observations.append(obs)
+                new.append(obs)
                 self._seen[(obs.cp, obs.layout)] += 1
+            self.observations.extend(new)
         effective = step + 1 + self.plan_lag
         with self._lock:
             self._counts.append((effective, dict(self._seen)))
             del self._counts[:-4]  # a plan never looks back further than the lag
-        if not self.learn or not self.observations or not self.refit_due(step + 1):
+        if not self.learn or not self.observations:
             return False
-        fitted = self.prior.fit(list(self.observations))
+        refit = self.refit_due(step + 1)
+        if refit:
+            fitted = self.prior.fit(list(self.observations))
+            with self._lock:
+                self._models.append((effective, fitted))
+                del self._models[:-4]
+            self.num_refits += 1
+            # the speed factor is relative to the fit in use: re-price the recent steps
+            self._recent = deque(((o, _seconds(fitted, o)) for o, _ in self._recent), maxlen=SPEED_STEPS)
+        if new:
+            self._recent.append((new, _seconds(self._models[-1][1], new)))
+        ratios = [sum(o.seconds for o in obs) / pred for obs, pred in self._recent if pred > 0]
+        speed = statistics.median(ratios) if ratios else 1.0
         with self._lock:
-            self._models.append((effective, fitted))
-            del self._models[:-4]
-        self.num_refits += 1
-        return True
+            self._speeds.append((effective, speed))
+            del self._speeds[:-4]
+        return refit
 
     def refit_due(self, steps_done: int) -> bool:  # steps of the run (absolute, so resume agrees)
         """Every ``refit_every`` steps, and at 2, 4, 8, ... steps before that: the prior is most
@@ -206,6 +237,8 @@ class CostLearner:
                     for eff, cnt in self._counts
                 ],
                 "seen": [[c, list(lay), n] for (c, lay), n in sorted(self._seen.items())],
+                "speeds": [[eff, v] for eff, v in self._speeds],
+                "recent": [[[o.to_dict() for o in obs], pred] for obs, pred in self._recent],
                 "observations": [o.to_dict() for o in self.observations],
                 "num_refits": self.num_refits,
             }
@@ -221,6 +254,12 @@ class CostLearner:
         with self._lock:
             self._models = [(int(eff), model(raw)) for eff, raw in state["models"]]
             self._counts = [(int(eff), counts(rows)) for eff, rows in state["counts"]]
+            # (checkpoints from before the speed factor: pace 1 until the next step measures it)
+            self._speeds = [(int(eff), float(v)) for eff, v in state.get("speeds", [[self.first_step, 1.0]])]
+        self._recent.clear()
+        self._recent.extend(
+            ([Observation.from_dict(o) for o in obs], float(pred)) for obs, pred in state.get("recent", [])
+        )
         self._seen = Counter(counts(state["seen"]))
         self.observations.clear()
         self.observations.extend(Observation.from_dict(o) for o in state["observations"])
@@ -238,6 +277,15 @@ class CostLearner:
         )
         path.write_text(header + self.model.hw.to_yaml())
         return path
+
+
+def _at_speed(fitted: CostModel, speed: float) -> CostModel:
+    return fitted if speed == 1.0 else fitted.scaled(speed)
+
+
+def _seconds(fitted: CostModel, observations: list[Observation]) -> float:
+    """Seconds ``fitted`` gives ``observations``, each at the layout it ran."""
+    return sum(_layout_time(fitted, o.lengths, o.cp, o.layout, o.cross_node) for o in observations)
 
 
 def _layout_time(model: CostModel, L, c: int, layout, cross: bool) -> float:
