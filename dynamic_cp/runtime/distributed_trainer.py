@@ -218,6 +218,7 @@ class DistributedTrainer(Trainer):
             **timeline.summarize(gathered),
             "explore_s": batch.plan.info.get("explore_s", 0.0),
             "cost_model_step": batch.plan.info.get("model_step", 0),
+            "cost_speed": batch.plan.info.get("speed", 1.0),  # pace factor on that fit (cost_learning.py)
             "learn_s": time.perf_counter() - t_learn,
             "plan_ms": batch.plan.solver_ms,
             **{k: round(v, 6) for k, v in batch.timings.items()},
