@@ -81,6 +81,8 @@ def test_the_speed_factor_follows_a_cluster_that_slows_down():
             (a, secs * (1 + 0.02 * rng.uniform(-1, 1)), c) for a, secs, c in _measure(plan, lengths, true)
         ]
         learner.observe(s, plan, lengths, measured)
+        # what the Gantt chart draws as planned: the model this plan used, after newer ones came
+        assert simulate(plan, lengths, learner.model_at(s)).step_s == pytest.approx(plan.predicted_step_s)
     assert max(errors[s] for s in (5, 6, 7)) < 0.03  # the fit alone, before the slow-down
     assert errors[8] > 0.2  # nothing could know yet
     assert max(errors[s] for s in range(10, 14)) < 0.03

@@ -99,6 +99,10 @@ class CostLearner:
         """Newest model: the newest fit at the newest speed factor."""
         return _at_speed(self._models[-1][1], self._speeds[-1][1])
 
+    def model_at(self, step: int) -> CostModel:
+        """The model the plan of ``step`` used (the fit effective then, at the speed factor then)."""
+        return _at_speed(self._at(self._models, step)[1], self._at(self._speeds, step)[1])
+
     def _at(self, versions: list, step: int) -> tuple:
         """(effective step, value) of the newest version effective at ``step``."""
         with self._lock:

@@ -207,7 +207,8 @@ class DistributedTrainer(Trainer):
         if refit and self.is_main:
             self.learner.save(self.out, batch.step + 1)
         if self.is_main and (batch.step + 1) % self.cfg.train.log_every == 0:
-            write_timeline(self.out, batch.step + 1, batch.plan, batch.lengths, self.learner.model, measured)
+            planned_with = self.learner.model_at(batch.step)
+            write_timeline(self.out, batch.step + 1, batch.plan, batch.lengths, planned_with, measured)
         hist = batch.plan.cp_histogram()
         return {
             **metrics,
