@@ -458,5 +458,9 @@ def test_scaled_model_is_the_same_cluster_slower(comm):
                 1.7 * base.micro_batch_time(lengths, cp, cross), rel=1e-12
             )
             assert slow.layout(lengths, cp, cross) == base.layout(lengths, cp, cross)
+    faster = base.scaled(0.5)  # a factor below 1: the cluster sped up
+    assert faster.micro_batch_time([9000], 2, False) == pytest.approx(
+        0.5 * base.micro_batch_time([9000], 2, False)
+    )
     with pytest.raises(ValueError, match="positive"):
         base.scaled(0.0)
