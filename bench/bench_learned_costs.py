@@ -109,6 +109,14 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run (key=value)")
     args = ap.parse_args()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if args.nproc > (cores or 1):
+        print(
+            f"note: {args.nproc} ranks on {cores} cores time-share them, so work a plan spreads over "
+            "more ranks than cores cannot run in parallel: the ratios measure CPU work, not the speed "
+            "of a cluster with one device per rank",
+            flush=True,
+        )
     contenders = [("dynamic", 1), ("static", 2)] + ([("static", 4)] if args.nproc >= 4 else [])
     per_round: dict[str, list[dict]] = {f"{m}{c if m == 'static' else ''}": [] for m, c in contenders}
     records: dict[str, list[dict]] = {k: [] for k in per_round}
