@@ -4,7 +4,7 @@
     python -m dynamic_cp.plot_costs runs/x --step 40       # and runs/x/gantt_step40.png
 
 Reads ``metrics.jsonl`` (predicted_s / compute_s: the compute window; predicted_step_s / step_s:
-the whole step) and ``timelines.jsonl`` (every micro-batch of the logged steps: planned start and
+the whole step; cost_speed: the learner's speed factor, on a right-hand axis) and ``timelines.jsonl`` (every micro-batch of the logged steps: planned start and
 seconds under the cost model the step was planned with, measured start and seconds).
 """
 
@@ -56,7 +56,16 @@ def plot_steps(metrics: list[dict], out: Path) -> None:
     ax.set_xlabel("step (grey lines: a micro-batch ran an exploratory CP size or layout)")
     ax.set_ylabel("seconds")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    with_speed = [r for r in rows if "cost_speed" in r]
+    if with_speed:  # the learner's pace factor on its fit (cost_learning.py): drift made visible
+        ax2 = ax.twinx()
+        (line,) = ax2.plot(
+            [r["step"] for r in with_speed], [r["cost_speed"] for r in with_speed], ":", color="grey"
+        )
+        ax2.set_ylabel("speed factor (measured / fitted)")
+        handles, labels = [*handles, line], [*labels, "speed factor, right axis"]
+    ax.legend(handles, labels, fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
