@@ -4,8 +4,9 @@
     python -m dynamic_cp.plot_costs runs/x --step 40       # and runs/x/gantt_step40.png
 
 Reads ``metrics.jsonl`` (predicted_s / compute_s: the compute window; predicted_step_s / step_s:
-the whole step; cost_speed: the learner's speed factor, on a right-hand axis) and ``timelines.jsonl`` (every micro-batch of the logged steps: planned start and
-seconds under the cost model the step was planned with, measured start and seconds).
+the whole step; cost_speed: the learner's speed factor, on a right-hand axis) and
+``timelines.jsonl`` (every micro-batch of the logged steps: planned start and seconds under the
+cost model the step was planned with, measured start and seconds).
 """
 
 from __future__ import annotations

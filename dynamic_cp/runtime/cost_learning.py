@@ -101,7 +101,13 @@ class CostLearner:
 
     def model_at(self, step: int) -> CostModel:
         """The model the plan of ``step`` used (the fit effective then, at the speed factor then)."""
-        return _at_speed(self._at(self._models, step)[1], self._at(self._speeds, step)[1])
+        return self._planning_model(step)[2]
+
+    def _planning_model(self, step: int) -> tuple[int, float, CostModel]:
+        """(effective step of the fit, speed factor, the fit at that speed) for the plan of ``step``."""
+        model_step, fitted = self._at(self._models, step)
+        speed = self._at(self._speeds, step)[1]
+        return model_step, speed, _at_speed(fitted, speed)
 
     def _at(self, versions: list, step: int) -> tuple:
         """(effective step, value) of the newest version effective at ``step``."""
@@ -112,9 +118,7 @@ class CostLearner:
         """Plan of the next step (calls come in step order, from one thread at a time)."""
         step = self._next_plan_step
         self._next_plan_step += 1
-        model_step, fitted = self._at(self._models, step)
-        speed = self._at(self._speeds, step)[1]
-        model = _at_speed(fitted, speed)
+        model_step, speed, model = self._planning_model(step)
         plan = self.make_plan(model, lengths)
         plan.info["layouts"] = [
             model.layout([lengths[i] for i in ids], len(r)) for r, ids in plan.micro_batches
