@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from dit.config import TrainConfig
+from dit.quiet_imports import import_bitsandbytes
 
 # our name -> diffusers' scheduler name (SchedulerType)
 _DIFFUSERS_SCHEDULE = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
@@ -39,7 +40,7 @@ def optimizer_kwargs(t: TrainConfig) -> dict:
 def optimizer_class(t: TrainConfig) -> type[torch.optim.Optimizer]:
     if t.optimizer == "adamw_8bit":
         try:
-            import bitsandbytes
+            bitsandbytes = import_bitsandbytes()
         except ImportError as err:
             raise ValueError(
                 'train.optimizer=adamw_8bit needs bitsandbytes: pip install -e ".[quant]" '

@@ -102,8 +102,18 @@ def test_adamw_fused_equals_adamw_after_five_steps(tmp_path):
         torch.testing.assert_close(fused[n], plain[n], rtol=0, atol=1e-6, msg=n)
 
 
+def _needs_bitsandbytes() -> None:
+    # not pytest.importorskip: importing dit hides bitsandbytes from diffusers and peft (dit/quiet_imports.py)
+    from dit.quiet_imports import import_bitsandbytes
+
+    try:
+        import_bitsandbytes()
+    except ImportError:
+        pytest.skip("bitsandbytes is not installed")
+
+
 def test_adamw_8bit_trains_and_keeps_8bit_moments(tmp_path):
-    pytest.importorskip("bitsandbytes")
+    _needs_bitsandbytes()
     cfg = load_config(TINY, tiny_overrides(tmp_path, **{"train.optimizer": "adamw_8bit", "train.lr": 3e-3}))
     trainer = Trainer(cfg, device=torch.device("cpu"))
     clips = trainer.prepare([trainer.train_set[i] for i in range(4)], step=0)
@@ -117,11 +127,14 @@ def test_adamw_8bit_trains_and_keeps_8bit_moments(tmp_path):
     assert torch.uint8 in dtypes  # the large matrices really hold 8-bit moments
 
 
-def test_adamw_8bit_missing_library_is_one_line_naming_the_extra(monkeypatch):
+def test_adamw_8bit_missing_library_is_one_line_naming_the_extra(monkeypatch, tmp_path):
     from dit.config import TrainConfig
     from dit.optim import optimizer_class
 
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import raises ImportError
+    # a bitsandbytes that fails to import, found before the real one
+    (tmp_path / "bitsandbytes.py").write_text("raise ImportError('No module named bitsandbytes')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
     with pytest.raises(ValueError, match=r'pip install -e "\.\[quant\]"'):
         optimizer_class(TrainConfig(optimizer="adamw_8bit"))
 
@@ -160,7 +173,7 @@ def _zero_over(out: str, optimizer: str, mode: str) -> list[str]:
 
 
 def test_zero1_with_each_optimizer_equals_single_process(tmp_path):
-    pytest.importorskip("bitsandbytes")
+    _needs_bitsandbytes()
     from dynamic_cp.runtime.testing import run_gloo
 
     out = run_gloo(_zero_worker, 2, str(tmp_path), timeout_s=240)
