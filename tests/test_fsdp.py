@@ -9,8 +9,9 @@ catches a wrong reduce-scatter scale: AdamW's update alone is nearly scale-free.
 
 Resume: a 4-rank per_layer run is SIGKILLed right after its step-2 checkpoint; resumed on 4 ranks it
 logs the same losses and ends with the same weights as an uninterrupted run, bit for bit on CPU;
-resumed on 2 ranks (DCP reshards) its weights stay within 1e-6, and so do they after the chain
-4 -> 2 -> 1 -> 4 ranks; the consolidated export loads with
+resumed on 2 ranks (DCP reshards) its weights stay within a bound derived from the reordered fp32
+sums (``_assert_resharded_close``), and so do they after the chain 4 -> 2 -> 1 -> 4 ranks; the
+consolidated export loads with
 diffusers' ``from_pretrained`` and samples with ``sample.py``. A replicated (fsdp=none) checkpoint
 resumes under FSDP with the same weights, AdamW moments and EMA.
 """
@@ -272,6 +273,46 @@ def _reference(world_size: int, out: str) -> tuple[list[dict], dict]:
         torch.set_num_threads(threads)
 
 
+# ----------------------------------------------------------------------------- resharded-resume tolerances
+# A resume on another world size changes only the order of fp32 operations: the plan packs and shards the
+# step's clips differently, so each gradient element sums its per-token terms and the rank partials in
+# another order (and AVX2 and AVX-512 kernels block their sums differently again). The longest reordered
+# sum has at most STEP_TOKENS terms (every token of a step's batch; attention's key sums and the matmuls'
+# inner sums are shorter: <= 160 keys, widths <= 40). A reordered fp32 sum of n terms moves by at most
+# n * u of its terms' magnitudes (recursive summation's worst case, u = 2^-24); the typical move is
+# sqrt(n) * u, which leaves a factor sqrt(480) ~ 22 for cancellation and the recomputed activations.
+# So each gradient element moves by at most eta = STEP_TOKENS * u of its scale, and AdamW's update
+# m / (sqrt(v) + eps) by at most 2 eta (once through m, once through sqrt(v)); times the learning rate,
+# summed over steps (decoupled weight decay only shrinks a difference): an absolute bound, as tight for a
+# zero-initialised bias as for a matrix. On top, each step rounds the weight itself twice (the decay's
+# multiply and the update's add, u |w| each), and two runs may round it differently: 4 u |w| a step,
+# relative. (On an AVX-512 BF16 host under OMP_NUM_THREADS=1 the largest difference was one ulp of a
+# weight near 1, which only this second term explains.)
+# Bugs sit far above both: a skipped AdamW step moves elements by ~lr (thousands of times the absolute
+# term), a shard loaded at a wrong offset by the weights themselves.
+U = 2.0**-24  # fp32 unit roundoff
+STEP_TOKENS = 480  # DATA[4]: 3 clips of at most 5 frames x 8 x 4 patches = 160 tokens
+LR = 1e-3  # configs/tiny.yaml's train.lr; warm-up and a constant schedule keep every lr_t <= LR
+
+# The logged loss averages a step's squared errors: at most STEP_TOKENS x 48 values (3 pixel channels x a
+# 1x4x4 patch per token), all non-negative, so no cancellation: reordering moves it by at most that many
+# u, relative; the weights' own differences, within the bound above, add far less.
+RESHARDED_LOSS_REL = STEP_TOKENS * 48 * U
+
+
+def _assert_resharded_close(params: dict, whole: dict, steps: int, what: str) -> None:
+    """Per element: |a - b| <= 2 STEP_TOKENS u * steps * LR + 4 u * steps * |b| (the bound above)."""
+    assert params.keys() == whole.keys()
+    for name, p in params.items():
+        torch.testing.assert_close(
+            p,
+            whole[name],
+            atol=2 * STEP_TOKENS * U * steps * LR,
+            rtol=4 * U * steps,
+            msg=lambda m, name=name: f"{name}: {what}: {m}",
+        )
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-12))
 
@@ -380,24 +421,20 @@ def test_killed_run_resumed_on_4_ranks_is_bitwise(resumed):
 def test_killed_run_resumed_on_2_ranks_matches(resumed):
     root, _, on2 = resumed
     whole = _weights(root / "whole" / "checkpoints" / "step_000004")
-    for name, p in on2["params"].items():
-        err = _rel(p, whole[name])
-        assert err < 1e-6, f"{name}: 4 -> 2 ranks differs by {err:.2e}"
+    _assert_resharded_close(on2["params"], whole, 4, "4 -> 2 ranks")
 
 
 def test_resume_chain_4_2_1_4_matches(runs):
     """Steps 1-2 on 4 ranks (killed), 3-4 on 2, 5 on 1, 6 on 4: the weights and logged losses of
-    the uninterrupted 4-rank run, within 1e-6 (DCP reshards at each hop; only the order of float
-    sums changes with the world size)."""
+    the uninterrupted 4-rank run, within the reordered-sum bounds above (DCP reshards at each hop; only
+    the order of float sums changes with the world size)."""
     root, results, _, _ = runs
     whole = _weights(root / "whole" / "checkpoints" / "step_000006")
-    for name, p in results["chain4"][0]["params"].items():
-        err = _rel(p, whole[name])
-        assert err < 1e-6, f"{name}: 4 -> 2 -> 1 -> 4 ranks differs by {err:.2e}"
+    _assert_resharded_close(results["chain4"][0]["params"], whole, 6, "4 -> 2 -> 1 -> 4 ranks")
     losses = {**_losses(root / "on1"), **_losses(root / "back_on4")}
     assert sorted(losses) == [5, 6]
     for step, loss in losses.items():
-        assert loss == pytest.approx(_losses(root / "whole")[step], rel=1e-6), step
+        assert loss == pytest.approx(_losses(root / "whole")[step], rel=RESHARDED_LOSS_REL), step
 
 
 def test_export_loads_in_diffusers_and_sample_py(resumed, tmp_path):
