@@ -191,13 +191,11 @@ def build_cache(
             )
             merged.check()  # load-time failures of every rank together
             index = {k: v for k, v in settings.items() if k not in ("num_items", "items_sha256")}
-            index.update(
-                num_samples=len(samples), failed=merged.failed, skipped=merged.skipped, samples=samples
-            )
+            index.update(num_samples=len(samples), failed=merged.failed, skipped=merged.skipped)
             # Caption dropout on cached samples needs what the encoder gives for "" (an EOS token for
             # T5), which is also what sampling uses as the unconditional input.
             empty = text_encoder.encode([""])[0].to(DTYPES[dtype]).contiguous()
-            shards.write_index(out, index, empty)
+            shards.write_index(out, index, samples, empty)
         except Exception as e:
             error = e
     if world.sum([int(error is not None)])[0]:

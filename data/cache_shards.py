@@ -9,7 +9,8 @@ A shard describes itself: its safetensors metadata holds the chunk's index entri
 chunk that failed to load, and the hash of the run's settings. A shard is written to a temporary name
 and renamed, so a shard on disk is always whole; a rerun (``resume``) keeps every shard whose settings
 hash matches and encodes only the missing chunks. ``settings.json`` (written before any shard) marks
-a cache in progress and holds the settings; ``index.json`` (written last, by rank 0) marks it done.
+a cache in progress and holds the settings; ``samples.safetensors`` (the columnar sample table,
+data/cache_index.py) and ``index.json`` (written last, by rank 0) mark it done.
 
 The only collective the layout needs is a sum of a few integers over all processes (``World.sum``):
 it doubles as the barrier before rank 0 merges, and tells every rank whether any rank failed.
@@ -27,10 +28,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.cache_dataset import INDEX
+from data.cache_dataset import EMPTY_TEXT, INDEX
+from data.cache_index import SAMPLES, SHARD, write_columns
 
 SETTINGS = "settings.json"  # written first: a cache in progress, and the settings every shard must match
-SHARD = "shard-{:05d}.safetensors"
 
 
 class World(Protocol):
@@ -155,15 +156,15 @@ def merge_records(out: str, num: int, digest: str) -> tuple[list[dict], dict[str
         record = read_shard_record(out, c, digest)
         if record is None:
             raise RuntimeError(f"{out}: shard of chunk {c} is missing after every rank finished")
-        samples += record["samples"]
+        samples += [{**s, "chunk": c} for s in record["samples"]]
         failed.update(record["failed"])
     return samples, failed
 
 
-def write_index(out: str, index: dict, empty_text_emb: torch.Tensor) -> None:
-    """The caption-dropout embedding, then the index: written last, it marks the cache complete."""
-    from data.cache_dataset import EMPTY_TEXT
-
+def write_index(out: str, index: dict, samples: list[dict], empty_text_emb: torch.Tensor) -> None:
+    """The caption-dropout embedding, the sample columns, then the index: written last, it marks the
+    cache complete."""
+    write_columns(os.path.join(out, SAMPLES), samples)
     tmp = os.path.join(out, EMPTY_TEXT + ".tmp")
     save_file({"text_emb": empty_text_emb}, tmp)
     os.replace(tmp, os.path.join(out, EMPTY_TEXT))

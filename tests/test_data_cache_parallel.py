@@ -20,6 +20,7 @@ from safetensors import safe_open
 from test_data_cache import save_text_encoder, save_vae
 
 from data import cache
+from data.build import build_dataset
 from data.manifest import Row, write_manifest
 from data.readers import VideoInfo
 from dynamic_cp.runtime.testing import run_gloo
@@ -50,24 +51,24 @@ def setup(tmp_path_factory):
     return root, base + POLICY + ["--vae-batch", "2"]
 
 
-def _kill_on_encode(after: int) -> None:
-    """SIGKILL this process on its VAE call number ``after + 1``: a crash in the middle of a shard."""
-    from data.vaes import DiffusersVAE
+def _kill_on_second_shard() -> None:
+    """SIGKILL this process once it has encoded its second chunk, just before that shard is written."""
+    from data import cache_shards
 
-    encode, calls = DiffusersVAE.encode, [0]
+    write, calls = cache_shards.write_shard, [0]
 
-    def dying(self, video):
+    def dying(*args, **kw):
         calls[0] += 1
-        if calls[0] > after:
+        if calls[0] == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return encode(self, video)
+        return write(*args, **kw)
 
-    DiffusersVAE.encode = dying
+    cache_shards.write_shard = dying
 
 
 def _worker(rank, world_size, argv, kill_rank=None):
     if rank == kill_rank:
-        _kill_on_encode(after=1)  # its first chunk (one VAE batch of 2 clips) is written, then it dies
+        _kill_on_second_shard()
     summary = cache.cache_from_args(cache.parse_args(argv), ProcessGroupWorld(), "cpu")
     return {k: summary[k] for k in ("num_shards", "reused", "encoded")} | {
         "log": summary["failures"].summary()
@@ -96,7 +97,8 @@ def _assert_same_cache(a, b):
     assert index_a == index_b and settings_a == settings_b  # samples, keys, order, shards, failure lists
     assert tensors_a.keys() == tensors_b.keys()
     for k, t in tensors_a.items():  # bitwise: the same clips in the same VAE batches on every layout
-        assert t.dtype == torch.float32 and torch.equal(t, tensors_b[k]), k
+        assert t.dtype == tensors_b[k].dtype and torch.equal(t, tensors_b[k]), k
+    assert {t.dtype for (name, _), t in tensors_a.items() if name.startswith("shard")} == {torch.float32}
 
 
 def test_parallel_cache_equals_one_process_and_resumes_after_sigkill(setup):
@@ -106,14 +108,15 @@ def test_parallel_cache_equals_one_process_and_resumes_after_sigkill(setup):
     index = json.load(open(root / "one" / "index.json"))
     assert one == {"num_shards": 6, "reused": 0, "encoded": 6, "log": one["log"]}
     # dataset order; clip 5 failed at load time and is left out, not replaced
-    assert [s["key"] for s in index["samples"]] == [str(i) for i in range(11) if i != 5]
+    samples = build_dataset(str(root / "one")).samples
+    assert [samples[i]["key"] for i in range(len(samples))] == [str(i) for i in range(11) if i != 5]
     assert sorted(index["failed"].values()) == ["missing_file", "not_a_video_or_corrupt"]
     for world_size in (2, 3):
         got = _build(argv + out(f"w{world_size}"), world_size)
         assert got == one  # every chunk encoded exactly once: no overlapping shares
         _assert_same_cache(root / "one", root / f"w{world_size}")
 
-    # rank 1 of 2 dies by SIGKILL after its first shard; its partner is torn down by the launcher
+    # rank 1 of 2 dies by SIGKILL before writing its second shard; the launcher tears its partner down
     with pytest.raises(Exception, match="signal|SIGKILL|exit"):
         _build(argv + out("killed"), 2, kill_rank=1)
     kept = glob.glob(str(root / "killed" / "shard-*.safetensors"))
