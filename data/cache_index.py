@@ -27,16 +27,16 @@ SHARD = "shard-{:05d}.safetensors"
 STRINGS = ("caption", "source")
 
 
-def _strings(values: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def strings(values: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """UTF-8 bytes of all strings end to end, and offsets: string i is bytes[offsets[i]:offsets[i + 1]]."""
     encoded = [v.encode("utf-8") for v in values]
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in encoded], out=offsets[1:])
     return np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets
 
 
-def write_columns(path: str, samples: list[dict]) -> None:
-    """``samples`` (dicts with key, chunk, meta, latent_shape, text_len, caption, source) -> columns,
-    atomically."""
+def columns(samples: list[dict]) -> dict[str, np.ndarray]:
+    """``samples`` (dicts with key, chunk, meta, latent_shape, text_len, caption, source) -> columns."""
     n = len(samples)
     arrays = {
         "meta": np.array([s["meta"] for s in samples], dtype=np.int32).reshape(n, 3),
@@ -46,10 +46,14 @@ def write_columns(path: str, samples: list[dict]) -> None:
         "chunk": np.array([s["chunk"] for s in samples], dtype=np.int32),
     }
     for name in STRINGS:
-        arrays[f"{name}_bytes"], arrays[f"{name}_offsets"] = _strings([s[name] for s in samples])
+        arrays[f"{name}_bytes"], arrays[f"{name}_offsets"] = strings([s[name] for s in samples])
+    return arrays
+
+
+def save_columns(path: str, arrays: dict[str, np.ndarray]) -> None:
     tmp = path + ".tmp"
     save_file(arrays, tmp)
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # atomic: a reader never sees half a table
 
 
 class ColumnSamples:

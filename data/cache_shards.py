@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.cache_dataset import EMPTY_TEXT, INDEX
-from data.cache_index import SAMPLES, SHARD, write_columns
+from data.cache_index import SAMPLES, SHARD, columns, save_columns
 
 SETTINGS = "settings.json"  # written first: a cache in progress, and the settings every shard must match
 
@@ -164,7 +164,7 @@ def merge_records(out: str, num: int, digest: str) -> tuple[list[dict], dict[str
 def write_index(out: str, index: dict, samples: list[dict], empty_text_emb: torch.Tensor) -> None:
     """The caption-dropout embedding, the sample columns, then the index: written last, it marks the
     cache complete."""
-    write_columns(os.path.join(out, SAMPLES), samples)
+    save_columns(os.path.join(out, SAMPLES), columns(samples))
     tmp = os.path.join(out, EMPTY_TEXT + ".tmp")
     save_file({"text_emb": empty_text_emb}, tmp)
     os.replace(tmp, os.path.join(out, EMPTY_TEXT))
