@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import os
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -138,6 +139,7 @@ def build_cache(
     digest = shards.settings_hash(settings)
     shards.check_out_folder(out, settings, resume)
     shards.start(out, settings, world)
+    started = time.perf_counter()
     failures = getattr(dataset, "failures", None)
     build_failed = dict(failures.failed) if failures else {}  # found while building: the same on every rank
     mine = shards.rank_chunks(len(dataset), shard_size, world.rank, world.world_size)
@@ -202,7 +204,7 @@ def build_cache(
         if error is not None:
             raise error
         raise RunStopped(f"rank 0 could not write the index of {out} (its output says why)")
-    return {**summary, "failures": merged}
+    return {**summary, "failures": merged, "seconds": time.perf_counter() - started}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -303,7 +305,7 @@ def cache_from_args(args, world: World, device) -> dict:
         print(summary["failures"].summary())
         print(
             f"cache: {summary['num_shards']} shards, {summary['reused']} reused from an earlier run, "
-            f"{summary['encoded']} encoded now on {world.world_size} process(es)"
+            f"{summary['encoded']} encoded now on {world.world_size} process(es) in {summary['seconds']:.1f} s"
         )
         print(f"wrote {args.out}/{INDEX}")
     return summary
