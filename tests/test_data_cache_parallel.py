@@ -146,3 +146,27 @@ def test_torchrun_command_line_equals_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "3 shards, 0 reused from an earlier run, 3 encoded now on 2 process(es)" in result.stdout
     _assert_same_cache(tmp_path / "one", tmp_path / "two")
+
+
+def _failing_worker(rank, world_size, argv):
+    try:
+        cache.cache_from_args(cache.parse_args(argv), ProcessGroupWorld(), "cpu")
+    except Exception as e:  # every rank must stop, none may hang in a collective
+        return type(e).__name__
+    return "finished"
+
+
+def test_failure_share_is_checked_over_all_ranks_and_every_rank_stops(tmp_path):
+    """Each rank alone stays under max_failure_share (1 broken clip of 6); together they do not (2 of 6)."""
+    clips = make_clips(str(tmp_path / "videos"))
+    broken = sorted(p for p in make_broken(str(tmp_path / "videos"), clips[0]) if "zero" not in p)
+    good, bad1, bad2 = (Row(p, "a", VideoInfo(30, 32, 48, 24)) for p in (clips[0], *broken[:2]))
+    # shards of one clip: chunk i is rank i % 2's, so each rank meets one broken file
+    write_manifest([good, bad1, bad2, good, good, good], str(tmp_path / "m.csv"))
+    argv = ["--source", str(tmp_path / "m.csv"), "--vae", "identity", "--text-encoder", "hashed"]
+    argv += ["--shard-size", "1", "--option", "vae_stride=[1,1,1]", "--option", "patch=[1,1,1]"]
+    argv += ["--max-frames", "5", "--resolution", "16", "--option", "max_failure_share=0.25"]
+    for world_size, out in ((1, "one"), (2, "two")):
+        stops = run_gloo(_failing_worker, world_size, argv + ["--out", str(tmp_path / out)], timeout_s=60)
+        assert stops[0] == "TooManyFailures" and set(stops[1:]) <= {"RunStopped"}, stops
+        assert not os.path.exists(tmp_path / out / "index.json")  # nothing half-done looks finished
