@@ -1,11 +1,16 @@
-"""Encode a dataset once into a latent + text-embedding cache: sharded safetensors plus index.json.
+"""Encode a dataset once into a latent + text-embedding cache: sharded safetensors plus an index.
 
     python -m data.cache --source manifest.csv --vae wan --vae-path DIR \\
         --text-encoder umt5 --text-path DIR --out CACHE_DIR [--fps 16 --max-frames 81 --resolution 480]
+    torchrun --nproc_per_node 8 -m data.cache ...      # the same cache, encoded by 8 processes
+    ... --resume                                       # finish a killed run: whole shards are kept
 
 The clip policy's VAE stride is taken from the VAE, so the cached latents have exactly the token
 counts the planner computes from each clip's metadata. Broken files are skipped (never replaced:
 a cache should not hold duplicates) and listed in the index and the printed summary.
+
+This module encodes (``encode_chunk``: one shard's clips); data/cache_shards.py owns the layout on
+disk, the split between ranks, resume and the merge; data/cache_index.py the columnar sample table.
 """
 
 from __future__ import annotations
