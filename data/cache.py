@@ -102,7 +102,9 @@ def encode_chunk(
 
 def cache_settings(dataset, vae, text_encoder, shard_size: int, dtype: str, info: dict | None) -> dict:
     """Everything that decides a shard's contents; a rerun must match it to reuse shards."""
-    paths = "\n".join(dataset.path(i) if hasattr(dataset, "path") else str(i) for i in range(len(dataset)))
+    paths = hashlib.sha256()  # fed path by path: a million joined paths would be one more copy of them all
+    for i in range(len(dataset)):
+        paths.update((dataset.path(i) if hasattr(dataset, "path") else str(i)).encode() + b"\n")
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -113,7 +115,7 @@ def cache_settings(dataset, vae, text_encoder, shard_size: int, dtype: str, info
         "shard_size": shard_size,
         **(info or {}),
         "num_items": len(dataset),
-        "items_sha256": hashlib.sha256(paths.encode()).hexdigest(),
+        "items_sha256": paths.hexdigest(),
     }
 
 
