@@ -22,10 +22,20 @@ FORMAT = "dcp-latent-cache"
 VERSION = 2  # 2: the per-sample table moved from index.json to samples.safetensors (data/cache_index.py)
 INDEX = "index.json"
 EMPTY_TEXT = "empty_text.safetensors"  # the text encoder's output for ""
+SETTINGS = "settings.json"  # written first: a cache in progress, and the settings every shard must match
 
 
 def is_cache(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX))
+
+
+def check_not_partial(path: str) -> None:
+    """A cache whose encoding was killed is not a folder of videos: say how to finish it."""
+    if os.path.isfile(os.path.join(path, SETTINGS)) and not is_cache(path):
+        raise ValueError(
+            f"{path} is a partly written latent cache (no {INDEX} yet): finish it by rerunning "
+            "python -m data.cache with the same arguments and --resume"
+        )
 
 
 class LatentCacheDataset(Dataset):

@@ -28,10 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.cache_dataset import EMPTY_TEXT, INDEX
+from data.cache_dataset import EMPTY_TEXT, INDEX, SETTINGS
 from data.cache_index import SAMPLES, SHARD, columns, save_columns
-
-SETTINGS = "settings.json"  # written first: a cache in progress, and the settings every shard must match
 
 
 class World(Protocol):

@@ -122,6 +122,8 @@ def test_parallel_cache_equals_one_process_and_resumes_after_sigkill(setup):
     kept = glob.glob(str(root / "killed" / "shard-*.safetensors"))
     assert not os.path.exists(root / "killed" / "index.json") and 1 <= len(kept) < 6
     assert cache.main(argv + out("killed")) == 2  # partly written, no --resume: refused in one line
+    with pytest.raises(ValueError, match="partly written latent cache"):  # not read as a folder of videos
+        build_dataset(str(root / "killed"))
     assert cache.main(argv + out("killed") + ["--dtype", "bfloat16", "--resume"]) == 2  # other settings
     resumed = _build(argv + out("killed") + ["--resume"], 2)
     assert resumed["reused"] == len(kept) and resumed["reused"] + resumed["encoded"] == 6
