@@ -53,10 +53,11 @@ def build_dataset(source: str, **options):
         return SyntheticClips(**{k: v for k, v in options.items() if k in takes})
 
     if os.path.isdir(source):
-        from data.cache_dataset import is_cache
+        from data.cache_dataset import check_not_partial, is_cache
 
         if is_cache(source):
             return _cache(source, options)
+        check_not_partial(source)
         from data.manifest import list_folder
 
         return _videos(source, list_folder(source), options)

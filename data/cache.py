@@ -1,26 +1,35 @@
-"""Encode a dataset once into a latent + text-embedding cache: sharded safetensors plus index.json.
+"""Encode a dataset once into a latent + text-embedding cache: sharded safetensors plus an index.
 
     python -m data.cache --source manifest.csv --vae wan --vae-path DIR \\
         --text-encoder umt5 --text-path DIR --out CACHE_DIR [--fps 16 --max-frames 81 --resolution 480]
+    torchrun --nproc_per_node 8 -m data.cache ...      # the same cache, encoded by 8 processes
+    ... --resume                                       # finish a killed run: whole shards are kept
 
 The clip policy's VAE stride is taken from the VAE, so the cached latents have exactly the token
 counts the planner computes from each clip's metadata. Broken files are skipped (never replaced:
 a cache should not hold duplicates) and listed in the index and the printed summary.
+
+This module encodes (``encode_chunk``: one shard's clips); data/cache_shards.py owns the layout on
+disk, the split between ranks, resume and the merge; data/cache_index.py the columnar sample table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import os
 import sys
+import time
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from data.cache_dataset import EMPTY_TEXT, FORMAT, INDEX, VERSION
+from data import cache_shards as shards
+from data.cache_dataset import FORMAT, INDEX, VERSION
+from data.cache_shards import LocalWorld, World
+from data.cli import RunStopped, run_cli
 from data.clip_policy import parse_options
+from data.failures import FailureLog
 from data.readers import VideoReadError
 from data.tokens import latent_shape
 
@@ -30,6 +39,84 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _load_raising(dataset, i: int) -> dict:
     # VideoDataset.load raises on a broken file; __getitem__ would substitute another clip.
     return dataset.load(i) if hasattr(dataset, "load") else dataset[i]
+
+
+def sample_entry(dataset, i: int, sample: dict) -> dict:
+    """The index entry of clip ``i`` (its latent shape and text length are added once encoded)."""
+    meta = dataset.meta(i)
+    return {
+        "key": str(i),  # the dataset index: the same whichever process encodes the clip
+        "meta": [meta.num_frames, meta.height, meta.width],
+        "caption": sample["caption"],
+        "source": dataset.path(i) if hasattr(dataset, "path") else str(i),
+    }
+
+
+def encode_chunk(
+    dataset, vae, text_encoder, items, *, dtype: str, vae_batch: int = 1, failures=None, bar=None
+):
+    """Load and encode the clips ``items`` -> (tensors, samples, failed) of one shard.
+
+    Consecutive clips of equal shape go through the VAE together (up to ``vae_batch``), the chunk's
+    captions through the text encoder in one call. Only one VAE batch of pixels is held at a time.
+    A clip that fails to load is recorded in ``failed`` (path -> reason) and left out, never replaced.
+    """
+    samples, latents, failed = [], [], {}
+    batch = []  # (3, f, h, w) videos of one shape waiting for the VAE
+
+    def encode_batch():
+        if batch:
+            latents.extend(vae.encode(torch.stack(batch)).unbind(0))  # (b, c', f', h', w') -> b x (c', ...)
+            batch.clear()
+
+    for i in items:
+        try:
+            sample = _load_raising(dataset, i)
+        except VideoReadError as e:
+            if failures is None:
+                raise
+            failed[e.path] = e.reason
+            failures.fail(e.path, e.reason, e.detail)  # raises above max_failure_share
+            continue
+        finally:
+            if bar is not None:
+                bar.update()
+        video = sample["video"]
+        if batch and (batch[0].shape != video.shape or len(batch) == vae_batch):
+            encode_batch()
+        batch.append(video)
+        samples.append(sample_entry(dataset, i, sample))
+    encode_batch()
+    embs = text_encoder.encode([s["caption"] for s in samples]) if samples else []
+    tensors = {}
+    for entry, latent, emb in zip(samples, latents, embs):
+        f, h, w = entry["meta"]
+        want = latent_shape(f, h, w, vae.stride)
+        assert tuple(latent.shape[1:]) == want, f"VAE gave {tuple(latent.shape)}, metadata says {want}"
+        # clone: a slice of a batch shares its storage, which safetensors refuses to save
+        tensors[f"{entry['key']}.latent"] = latent.to(DTYPES[dtype]).clone()
+        tensors[f"{entry['key']}.text_emb"] = emb.to(DTYPES[dtype]).contiguous()
+        entry.update(latent_shape=list(latent.shape), text_len=int(emb.shape[0]))
+    return tensors, samples, failed
+
+
+def cache_settings(dataset, vae, text_encoder, shard_size: int, dtype: str, info: dict | None) -> dict:
+    """Everything that decides a shard's contents; a rerun must match it to reuse shards."""
+    paths = hashlib.sha256()  # fed path by path: a million joined paths would be one more copy of them all
+    for i in range(len(dataset)):
+        paths.update((dataset.path(i) if hasattr(dataset, "path") else str(i)).encode() + b"\n")
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "vae": {"kind": getattr(vae, "kind", type(vae).__name__), "stride": list(vae.stride)},
+        "latent_channels": vae.latent_channels,
+        "text_dim": text_encoder.dim,
+        "dtype": dtype,
+        "shard_size": shard_size,
+        **(info or {}),
+        "num_items": len(dataset),
+        "items_sha256": paths.hexdigest(),
+    }
 
 
 def build_cache(
@@ -42,85 +129,93 @@ def build_cache(
     dtype: str = "bfloat16",
     progress: bool = True,
     info: dict | None = None,
+    resume: bool = False,
+    vae_batch: int = 1,
+    world: World | None = None,
 ) -> dict:
-    """Encode every clip of a pixel dataset; returns the index that was written to ``out/index.json``."""
+    """Encode every clip of a pixel dataset into ``out`` (this rank's share under ``world``); rank 0
+    writes ``out/index.json`` at the end. Returns a summary: shards, reused, encoded, failures."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}")
     if shard_size < 1:
         raise ValueError(f"shard_size={shard_size}: use at least 1 sample per shard")
-    if os.path.exists(os.path.join(out, INDEX)):
-        raise ValueError(f"{out} already holds a cache; choose a new --out or delete it first")
-    os.makedirs(out, exist_ok=True)
+    if vae_batch < 1:
+        raise ValueError(f"vae_batch={vae_batch}: use at least 1 clip per VAE call")
+    world = world or LocalWorld()
+    settings = cache_settings(dataset, vae, text_encoder, shard_size, dtype, info)
+    digest = shards.settings_hash(settings)
+    shards.check_out_folder(out, settings, resume)
+    shards.start(out, settings, world)
+    started = time.perf_counter()
     failures = getattr(dataset, "failures", None)
-    samples, pending = [], []  # pending: (key, latent, caption, entry) of the shard being filled
-
-    def flush():
-        if not pending:
-            return
-        shard = f"shard-{len(samples) // shard_size:05d}.safetensors"
-        embs = text_encoder.encode([caption for _, _, caption, _ in pending])
-        tensors = {}
-        for (key, latent, _, entry), emb in zip(pending, embs):
-            tensors[f"{key}.latent"] = latent.to(DTYPES[dtype]).contiguous()
-            tensors[f"{key}.text_emb"] = emb.to(DTYPES[dtype]).contiguous()
-            entry.update(shard=shard, text_len=int(emb.shape[0]))
-            samples.append(entry)
-        tmp = os.path.join(out, shard + ".tmp")
-        save_file(tensors, tmp)
-        os.replace(tmp, os.path.join(out, shard))  # a shard on disk is always whole
-        pending.clear()
-
-    for i in tqdm(range(len(dataset)), desc="encoding clips", disable=not progress):
+    build_failed = dict(failures.failed) if failures else {}  # found while building: the same on every rank
+    mine = shards.rank_chunks(len(dataset), shard_size, world.rank, world.world_size)
+    reused = encoded = 0
+    error = None
+    with tqdm(
+        total=sum(len(shards.chunk_items(c, len(dataset), shard_size)) for c in mine),
+        desc=f"encoding clips (rank 0 of {world.world_size})" if world.world_size > 1 else "encoding clips",
+        disable=not progress or world.rank != 0,
+    ) as bar:
         try:
-            sample = _load_raising(dataset, i)
-        except VideoReadError as e:
-            if failures is None:
-                raise
-            failures.fail(e.path, e.reason, e.detail)  # raises above max_failure_share
-            continue
-        meta = dataset.meta(i)
-        latent = vae.encode(sample["video"][None])[0]  # (c', f', h', w')
-        want = latent_shape(meta.num_frames, meta.height, meta.width, vae.stride)
-        assert tuple(latent.shape[1:]) == want, f"VAE gave {tuple(latent.shape)}, metadata says {want}"
-        entry = {
-            "key": str(len(samples) + len(pending)),
-            "meta": [meta.num_frames, meta.height, meta.width],
-            "latent_shape": list(latent.shape),
-            "caption": sample["caption"],
-            "source": dataset.path(i) if hasattr(dataset, "path") else str(i),
-        }
-        pending.append((entry["key"], latent, sample["caption"], entry))
-        if len(pending) == shard_size:
-            flush()
-    flush()
-    # Caption dropout on cached samples needs what the encoder gives for "" (an EOS token for T5),
-    # which is also what sampling uses as the unconditional input.
-    empty = {"text_emb": text_encoder.encode([""])[0].to(DTYPES[dtype]).contiguous()}
-    save_file(empty, os.path.join(out, EMPTY_TEXT + ".tmp"))
-    os.replace(os.path.join(out, EMPTY_TEXT + ".tmp"), os.path.join(out, EMPTY_TEXT))
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "vae": {"kind": getattr(vae, "kind", type(vae).__name__), "stride": list(vae.stride)},
-        "latent_channels": vae.latent_channels,
-        "text_dim": text_encoder.dim,
-        "dtype": dtype,
-        **(info or {}),
-        "num_samples": len(samples),
-        "failed": dict(failures.failed) if failures else {},
-        "skipped": dict(failures.skipped) if failures else {},
-        "samples": samples,
+            for c in mine:
+                items = shards.chunk_items(c, len(dataset), shard_size)
+                if shards.read_shard_record(out, c, digest) is not None:
+                    reused += 1  # written whole by an earlier run with the same settings
+                    bar.update(len(items))
+                    continue
+                tensors, samples, failed = encode_chunk(
+                    dataset,
+                    vae,
+                    text_encoder,
+                    items,
+                    dtype=dtype,
+                    vae_batch=vae_batch,
+                    failures=failures,
+                    bar=bar,
+                )
+                shards.write_shard(out, c, digest, tensors, samples, failed)
+                encoded += 1
+        except Exception as e:  # every rank must reach the sum below, or the others wait forever
+            error = e
+    num_errors, reused, encoded = world.sum([int(error is not None), reused, encoded])
+    if error is not None:
+        raise error
+    if num_errors:
+        raise RunStopped(f"another process stopped while encoding (its output says why); {out} keeps "
+                         "the shards written so far: rerun with --resume")  # fmt: skip
+    summary = {
+        "num_shards": shards.num_chunks(len(dataset), shard_size),
+        "reused": reused,
+        "encoded": encoded,
     }
-    with open(os.path.join(out, INDEX + ".tmp"), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1, ensure_ascii=False)
-    os.replace(
-        os.path.join(out, INDEX + ".tmp"), os.path.join(out, INDEX)
-    )  # written last: marks the cache complete
-    return index
+    merged = FailureLog(failures.total, failures.max_failure_share) if failures else FailureLog()
+    error = None
+    if world.rank == 0:
+        try:
+            samples, failed = shards.merge_records(out, summary["num_shards"], digest)
+            merged.failed, merged.skipped = (
+                {**build_failed, **failed},
+                dict(failures.skipped) if failures else {},
+            )
+            merged.check()  # load-time failures of every rank together
+            index = {k: v for k, v in settings.items() if k not in ("num_items", "items_sha256")}
+            index.update(num_samples=len(samples), failed=merged.failed, skipped=merged.skipped)
+            # Caption dropout on cached samples needs what the encoder gives for "" (an EOS token for
+            # T5), which is also what sampling uses as the unconditional input.
+            empty = text_encoder.encode([""])[0].to(DTYPES[dtype]).contiguous()
+            shards.write_index(out, index, samples, empty)
+        except Exception as e:
+            error = e
+    if world.sum([int(error is not None)])[0]:
+        if error is not None:
+            raise error
+        raise RunStopped(f"rank 0 could not write the index of {out} (its output says why)")
+    return {**summary, "failures": merged, "seconds": time.perf_counter() - started}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from data.cli import add_debug_flag, run_cli
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from data.cli import add_debug_flag
     from data.text_encoders import TEXT_KINDS
     from data.vaes import VAE_KINDS
 
@@ -136,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     # text_dim and the run's data.seed, or the cached captions differ from what training encodes.
     ap.add_argument("--text-dim", type=int, help="hashed encoder only: the model's text_dim (default 64)")
     ap.add_argument("--text-seed", type=int, help="hashed encoder only: the run's data.seed (default 0)")
-    ap.add_argument("--shard-size", type=int, default=256, help="samples per safetensors shard")
+    ap.add_argument("--shard-size", type=int, default=256, help="clips per safetensors shard")
+    ap.add_argument("--vae-batch", type=int, default=1, help="clips of equal shape per VAE call")
+    ap.add_argument(
+        "--resume", action="store_true", help="finish a partly written cache: keep its whole shards"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--fps", type=float)
@@ -148,17 +247,42 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.text_encoder != "hashed" and (args.text_dim is not None or args.text_seed is not None):
         ap.error("--text-dim and --text-seed apply to --text-encoder hashed only")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return run_cli(lambda: run(args), args.debug)
 
 
 def run(args) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        cache_from_args(args, LocalWorld(), args.device)
+        return 0
+    # Under torchrun: every rank encodes its share (data/cache_shards.py); the process group is the
+    # runtime's, so data/ itself never initializes one.
+    import torch.distributed as dist
+
+    from dynamic_cp.runtime.torchrun import ProcessGroupWorld, init_torchrun
+
+    device = init_torchrun()
+    try:
+        world = ProcessGroupWorld(device=device)
+        cache_from_args(args, world, device if args.device.startswith("cuda") else args.device)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def cache_from_args(args, world: World, device) -> dict:
+    """What ``python -m data.cache`` does on one rank of ``world``; -> build_cache's summary."""
     from data.build import build_dataset
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae
 
-    vae = load_vae(args.vae, args.vae_path, device=args.device)
+    vae = load_vae(args.vae, args.vae_path, device=device)
     text = load_text_encoder(
-        args.text_encoder, args.text_path, args.max_length, device=args.device,
+        args.text_encoder, args.text_path, args.max_length, device=device,
         hashed_dim=64 if args.text_dim is None else args.text_dim,
         seed=0 if args.text_seed is None else args.text_seed,
     )  # fmt: skip
@@ -166,18 +290,32 @@ def run(args) -> int:
     options = {k: v for k, v in options.items() if v is not None}
     options.update(parse_options(args.option))
     options["vae_stride"] = vae.stride  # the cache's latents define the stride, not a guess
+    if world.rank != 0 and (os.path.isdir(args.source) or args.source.endswith((".csv", ".jsonl"))):
+        options.setdefault("progress", False)  # one probing progress bar, not one per rank
     dataset = build_dataset(args.source, **options)
     policy = getattr(dataset, "policy", None)
+    folder = lambda p: os.path.abspath(p) if p else None  # noqa: E731
     info = {
-        "source": args.source,
+        "source": os.path.abspath(args.source) if os.path.exists(args.source) else args.source,
         "policy": policy.to_dict() if policy else None,
+        "vae_path": folder(args.vae_path),
         "text_encoder": args.text_encoder,
+        "text_path": folder(args.text_path),
+        "max_length": args.max_length,
+        "text_seed": args.text_seed,
     }
-    build_cache(dataset, vae, text, args.out, shard_size=args.shard_size, dtype=args.dtype, info=info)
-    if hasattr(dataset, "failures"):
-        print(dataset.failures.summary())
-    print(f"wrote {args.out}/{INDEX}")
-    return 0
+    summary = build_cache(
+        dataset, vae, text, args.out, shard_size=args.shard_size, dtype=args.dtype, info=info,
+        resume=args.resume, vae_batch=args.vae_batch, world=world, progress=world.rank == 0,
+    )  # fmt: skip
+    if world.rank == 0:
+        print(summary["failures"].summary())
+        print(
+            f"cache: {summary['num_shards']} shards, {summary['reused']} reused from an earlier run, "
+            f"{summary['encoded']} encoded now on {world.world_size} process(es) in {summary['seconds']:.1f} s"
+        )
+        print(f"wrote {args.out}/{INDEX}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -13,18 +13,29 @@ import os
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
+from data.cache_index import SAMPLES, ColumnSamples
 from data.failures import FailureLog
 from data.types import ClipMeta
 
 # The cache format is the reader's: the writer (data.cache) imports these, never the other way.
 FORMAT = "dcp-latent-cache"
-VERSION = 1
+VERSION = 2  # 2: the per-sample table moved from index.json to samples.safetensors (data/cache_index.py)
 INDEX = "index.json"
 EMPTY_TEXT = "empty_text.safetensors"  # the text encoder's output for ""
+SETTINGS = "settings.json"  # written first: a cache in progress, and the settings every shard must match
 
 
 def is_cache(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX))
+
+
+def check_not_partial(path: str) -> None:
+    """A cache whose encoding was killed is not a folder of videos: say how to finish it."""
+    if os.path.isfile(os.path.join(path, SETTINGS)) and not is_cache(path):
+        raise ValueError(
+            f"{path} is a partly written latent cache (no {INDEX} yet): finish it by rerunning "
+            "python -m data.cache with the same arguments and --resume"
+        )
 
 
 class LatentCacheDataset(Dataset):
@@ -37,7 +48,10 @@ class LatentCacheDataset(Dataset):
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{index_path} is not a {FORMAT} index (format={self.index.get('format')!r})")
         self.root = root
-        self.samples = self.index["samples"]
+        # version 1 listed every sample in index.json (still read); version 2 keeps them in columns
+        self.samples = (
+            self.index["samples"] if "samples" in self.index else ColumnSamples(os.path.join(root, SAMPLES))
+        )
         if not self.samples:
             raise ValueError(f"{root}: the cache holds no samples; see 'failed' and 'skipped' in {INDEX}")
         self.vae_stride = tuple(self.index["vae"]["stride"])
@@ -56,9 +70,13 @@ class LatentCacheDataset(Dataset):
         return len(self.samples)
 
     def meta(self, i: int) -> ClipMeta:
+        if isinstance(self.samples, ColumnSamples):
+            return ClipMeta(*(int(x) for x in self.samples.meta[i]))  # no row read: planning is cheap
         return ClipMeta(*self.samples[i]["meta"])
 
     def caption(self, i: int) -> str:
+        if isinstance(self.samples, ColumnSamples):
+            return self.samples.caption(i)
         return self.samples[i]["caption"]
 
     def _shard(self, name: str):

@@ -20,22 +20,24 @@ class GlobalBatchSampler:
     def __init__(self, indices: Sequence[int], batch_size: int, seed: int, start_step: int = 0):
         if len(indices) == 0:
             raise ValueError("the dataset has no usable clips; check data.source and the failure report")
-        self.indices = list(indices)
+        self.indices = indices if isinstance(indices, range) else list(indices)  # a range costs nothing
         self.batch_size = batch_size
         self.seed = seed
         self.start_step = start_step
-        self._perms: dict[int, list[int]] = {}
+        self._perms: dict[int, torch.Tensor] = {}
 
-    def _perm(self, epoch: int) -> list[int]:
+    def _perm(self, epoch: int) -> torch.Tensor:
+        # Positions into self.indices as one int64 tensor (8 MB at 1M clips): a list of them, or
+        # iterating the tensor (a 0-d tensor per clip), would cost GBs and seconds at that size.
         if epoch not in self._perms:
             g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._perms = {epoch: [self.indices[i] for i in torch.randperm(len(self.indices), generator=g)]}
+            self._perms = {epoch: torch.randperm(len(self.indices), generator=g)}
         return self._perms[epoch]
 
     def batch(self, step: int) -> list[int]:
         n = len(self.indices)
         first = step * self.batch_size
-        return [self._perm(p // n)[p % n] for p in range(first, first + self.batch_size)]
+        return [self.indices[int(self._perm(p // n)[p % n])] for p in range(first, first + self.batch_size)]
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step

@@ -80,12 +80,12 @@ def test_cache_round_trip_keeps_token_counts(media, tmp_path, vae_kind, text_kin
 
     index = json.load(open(os.path.join(out, "index.json")))
     assert len(index["failed"]) == 4 and index["num_samples"] == 5  # broken files listed, not cached
-    assert len({s["shard"] for s in index["samples"]}) == 3  # 5 samples, 2 per shard
+    ds = build_dataset(out, vae_stride=(4, 8, 8))
+    assert len({ds.samples[i]["shard"] for i in range(len(ds))}) == 3  # 5 samples, 2 per shard
 
     vae = load_vae(vae_kind, vae_dir)
     text = load_text_encoder(text_kind, text_dir, max_length=32)
     assert isinstance(vae, VideoVAE) and vae.stride == (4, 8, 8)
-    ds = build_dataset(out, vae_stride=(4, 8, 8))
     pixels = build_dataset(
         os.path.join(media, "videos"),
         fps=12,
@@ -146,7 +146,7 @@ def test_hashed_text_cache_matches_the_models_width_and_seed(media, tmp_path):
     assert cache.main(args + POLICY) == 0
     ds = build_dataset(out)
     captions = build_dataset(os.path.join(media, "videos"), fps=12, max_frames=9, resolution=32,
-                             max_failure_share=0.5, progress=False)  # fmt: skip
+                             max_failure_share=0.5, progress=False, vae_stride=(1, 1, 1), patch=(1, 1, 1))  # fmt: skip
     want = HashedTextEncoder(dim=48, seed=3).encode([captions[0]["caption"]])[0]
     torch.testing.assert_close(ds[0]["text_emb"], want)  # what training encodes with text_dim 48, seed 3
     with pytest.raises(SystemExit):  # a width for a real encoder is a mistake, not silently ignored
@@ -190,3 +190,33 @@ def test_cache_refuses_to_overwrite_and_reports_damaged_shards(media, tmp_path, 
         with pytest.raises(RuntimeError, match="unreadable"):
             ds[0]
     assert len(ds.failures.failed) == 1
+
+
+def test_columnar_index_reads_rows_lazily_and_version_1_caches_still_load(media, tmp_path):
+    out = str(tmp_path / "cache")
+    args = ["--source", os.path.join(media, "videos"), "--vae", "identity", "--text-encoder", "hashed"]
+    args += ["--out", out, "--dtype", "float32", "--shard-size", "2"]
+    assert cache.main(args + ["--option", "vae_stride=[1,1,1]", "--option", "patch=[1,1,1]"] + POLICY) == 0
+    new = build_dataset(out, max_failure_share=0.5)
+    rows = [new.samples[i] for i in range(len(new))]
+    pixels = build_dataset(os.path.join(media, "videos"), fps=12, max_frames=9, resolution=32,
+                           max_failure_share=0.5, progress=False, vae_stride=(1, 1, 1), patch=(1, 1, 1))  # fmt: skip
+    assert (
+        [r["caption"] for r in rows]
+        == [new.caption(i) for i in range(5)]
+        == [r.text for r, _ in pixels.items]
+    )
+    assert [r["source"] for r in rows] == [pixels.path(i) for i in range(5)]
+    assert [new.meta(i) for i in range(5)] == [pixels.meta(i) for i in range(5)]
+    # the same cache as version 1 wrote it: every sample listed in index.json, no samples.safetensors
+    index = json.load(open(os.path.join(out, "index.json")))
+    index.update(version=1, samples=rows)
+    json.dump(index, open(os.path.join(out, "index.json"), "w"))
+    os.remove(os.path.join(out, "samples.safetensors"))
+    old = build_dataset(out, max_failure_share=0.5)
+    assert len(old) == len(new) == 5
+    for i in range(len(old)):
+        assert old.meta(i) == new.meta(i) and old.caption(i) == new.caption(i)
+        assert torch.equal(old[i]["latent"], new[i]["latent"]) and torch.equal(
+            old[i]["text_emb"], new[i]["text_emb"]
+        )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from dit.config import Config
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, resolve_fsdp_mode
 from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
+from dynamic_cp.runtime.torchrun import init_torchrun
 
 
 def trainer_class(cfg: Config, world: dist.ProcessGroup) -> type[DistributedTrainer]:
@@ -72,17 +72,7 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
             f"parallel.mode={cfg.parallel.mode} needs one process per rank: launch with "
             "`torchrun --nproc_per_node=N train.py ...` (or set parallel.mode=none for one process)"
         )
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        # Several ranks share the cores of one machine; oversubscribed threads only slow gloo down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    device = init_torchrun()
     try:
         train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
     finally:
