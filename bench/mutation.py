@@ -13,7 +13,12 @@ Each mutant is one small change of the module's syntax tree:
   ``**`` -> ``*``);
 - an integer constant off by one (n -> n + 1), a float scaled (x -> 2x; 0.0 -> 1.0), a bool negated;
 - ``and`` <-> ``or``; ``not x`` -> ``x``;
-- a ``return value`` that returns ``None`` instead.
+- a ``return value`` that returns ``None`` instead;
+- a reducing call replaced by another (``median`` -> ``mean`` / ``max``, ``mean`` -> ``median``,
+  ``max`` <-> ``min``, ``sum`` -> ``max``; ``np.median(x)``, ``x.mean()`` and the builtins alike);
+- a keyword argument dropped from a call (``f(x, shift=s)`` -> ``f(x)``: a flag read and ignored),
+  and a call whose result is used replaced by its first argument (``x = shift(x, s)`` -> ``x = x``:
+  a transform that is read but never applied).
 Docstrings, annotations, f-strings and the arguments of ``raise`` (error messages) are not mutated.
 
 How a mutant runs: this process imports the third-party libraries once (torch, hypothesis, ...) by
@@ -77,6 +82,67 @@ BINOP_SWAP = {
     ast.Pow: ast.Mult,
 }
 BOOL_SWAP = {ast.And: ast.Or, ast.Or: ast.And}
+# a reducing call -> the reductions a slip could put in its place (``np.median`` -> ``np.mean``, ...)
+REDUCE_SWAP = {
+    "median": ("mean", "max"),
+    "nanmedian": ("nanmean",),
+    "mean": ("median",),
+    "nanmean": ("nanmedian",),
+    "max": ("min",),
+    "min": ("max",),
+    "amax": ("amin",),
+    "amin": ("amax",),
+    "sum": ("max",),
+}
+BUILTIN_REDUCE = {"max", "min", "sum"}  # bare names: only swap between builtins (no NameError mutants)
+# calls whose result is not "the first argument transformed": dropping them is a type change, not a
+# forgotten step, so the call-dropping operator leaves them alone
+NOT_TRANSFORMS = {
+    "len",
+    "int",
+    "float",
+    "str",
+    "bool",
+    "range",
+    "isinstance",
+    "issubclass",
+    "list",
+    "tuple",
+    "dict",
+    "set",
+    "frozenset",
+    "sorted",
+    "reversed",
+    "enumerate",
+    "zip",
+    "print",
+    "getattr",
+    "hasattr",
+    "setattr",
+    "type",
+    "super",
+    "repr",
+    "iter",
+    "next",
+    "id",
+    "hash",
+    "callable",
+    "vars",
+    "open",
+    "Path",
+    "object",
+    "max",
+    "min",
+    "sum",
+    "any",
+    "all",
+    "map",
+    "filter",
+    "divmod",
+    "format",
+    "ord",
+    "chr",
+}
 SYMBOL = {
     ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=",
     ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not", ast.Add: "+", ast.Sub: "-",
@@ -190,6 +256,47 @@ class _Mutator(ast.NodeTransformer):
                 return ast.copy_location(ast.Constant(new), node)
         return node
 
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if id(node) in self.skip:
+            return node
+        func = node.func
+        name = (
+            func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        )
+        for new in REDUCE_SWAP.get(name, ()):
+            if isinstance(func, ast.Name) and new not in BUILTIN_REDUCE:
+                continue
+            if self._site(node, f"call {name} -> {new}"):
+                if isinstance(func, ast.Name):
+                    node.func = ast.copy_location(ast.Name(new, ast.Load()), func)
+                else:
+                    node.func = ast.copy_location(ast.Attribute(func.value, new, ast.Load()), func)
+        for i, kw in enumerate(node.keywords):
+            if kw.arg is not None and self._site(node, f"drop keyword {kw.arg}="):
+                node.keywords = node.keywords[:i] + node.keywords[i + 1 :]
+                break
+        return node
+
+    def _drop_call(self, call):
+        """A used call ``f(a, ...)`` -> ``a``: the transform is written but never applied."""
+        if not isinstance(call, ast.Call) or id(call) in self.skip or not call.args:
+            return call
+        if (
+            isinstance(call.args[0], ast.Starred)
+            or isinstance(call.func, ast.Name)
+            and call.func.id in NOT_TRANSFORMS
+        ):
+            return call
+        if self._site(call, "drop call, keep its first argument"):
+            return call.args[0]
+        return call
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)
+        node.value = self._drop_call(node.value)
+        return node
+
     def visit_Return(self, node):
         self.generic_visit(node)
         if id(node) in self.skip or node.value is None:
@@ -198,6 +305,8 @@ class _Mutator(ast.NodeTransformer):
             return node
         if self._site(node, "return None"):
             node.value = ast.copy_location(ast.Constant(None), node.value)
+            return node
+        node.value = self._drop_call(node.value)
         return node
 
 
