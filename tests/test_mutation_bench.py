@@ -133,5 +133,7 @@ def test_docstrings_and_error_messages_are_not_mutated():
 def test_every_target_and_its_tests_exist(path):
     root = Path(__file__).parents[1]
     assert (root / path).is_file()
-    for t in mutation.TARGETS[path]:
-        assert (root / t.split("::")[0]).is_file(), t
+    tests = mutation.TARGETS[path]
+    for i, t in enumerate(tests):
+        if not t.startswith("-") and (i == 0 or tests[i - 1] != "-k"):  # options and -k expressions aside
+            assert (root / t.split("::")[0]).is_file(), t
