@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD python bench/mutation.py dit/flow.py                  # one module
     PYTHONPATH=$PWD python bench/mutation.py dit/flow.py --only 12 31     # re-run mutants 12 and 31
     PYTHONPATH=$PWD python bench/mutation.py --list dit/flow.py           # print the mutants, run nothing
+    PYTHONPATH=$PWD python bench/mutation.py dit/ema.py --tests tests/test_trainer_guards.py  # other tests
     PYTHONPATH=$PWD python bench/mutation.py --sample 60 dynamic_cp/planning/planner.py  # an estimate
 
 Each mutant is one small change of the module's syntax tree:
@@ -450,8 +451,10 @@ def _warm_imports(tests: list[str]) -> None:
     _forget_project_modules()
 
 
-def run_module(path: str, only: list[int] | None, timeout_factor: float, equivalent: dict) -> dict:
-    tests = TARGETS[path]
+def run_module(
+    path: str, only: list[int] | None, timeout_factor: float, equivalent: dict, tests: list[str] | None = None
+) -> dict:
+    tests = tests or TARGETS[path]
     source = (ROOT / path).read_text()
     sites = mutants(source)
     _warm_imports(tests)
@@ -493,6 +496,11 @@ def main() -> None:
     ap.add_argument(
         "--sample", type=int, help="run a seeded random sample of this many mutants per module (an estimate)"
     )
+    ap.add_argument(
+        "--tests",
+        nargs="+",
+        help="run these tests instead of the module's subset (e.g. the old tests, for a 'before' score)",
+    )
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="per-mutant limit x baseline time")
     args = ap.parse_args()
     for path in args.modules:
@@ -520,7 +528,7 @@ def main() -> None:
 
             count = len(mutants((ROOT / path).read_text()))
             only = sorted(random.Random(0).sample(range(count), min(args.sample, count)))
-        results.append(run_module(path, only, args.timeout_factor, equivalent))
+        results.append(run_module(path, only, args.timeout_factor, equivalent, args.tests))
     print("\nmodule                               mutants  killed  equiv  survived  score")
     for r in results:
         total = r["killed"] + r["timeout"] + r["equivalent"] + r["survived"]
