@@ -224,3 +224,26 @@ def test_four_ranks_fit_bitwise_equal_coefficients_and_identical_plans(tmp_path)
 def test_unused_observation_fields_are_checked():
     with pytest.raises(ValueError):
         Observation((), 1, (1, 1), False, 1.0)
+
+
+def test_one_slow_step_does_not_move_the_speed_factor():
+    """A straggler step (3x slower: a hiccup on one node) between normal ones: the median of the last
+    3 steps' ratios ignores it, so the next plans keep the fit's pace (a mean would predict 1.67x, a
+    max 3x); two slow steps of the last three are followed. refit_every=100: refits after 2, 4 and 8
+    steps only (the last one's window holds the straggler, so the fit's pace is a few percent off)."""
+    true = true_cluster(PRIOR)
+    learner = _learner(start_step=0, plan_lag=0, refit_every=100, skip_steps=0, explore=False)
+    lengths = [30000, 9000, 3000, 800] * 4
+    speeds = {}
+    for s in range(11):
+        slow = 3.0 if s in (4, 8, 9, 10) else 1.0
+        plan = learner.plan(lengths)
+        speeds[s] = plan.info["speed"]
+        learner.observe(
+            s, plan, lengths, [(a, secs * slow, c) for a, secs, c in _measure(plan, lengths, true)]
+        )
+    for s in (5, 6, 7):  # after the straggler of step 4
+        assert speeds[s] == pytest.approx(1.0, rel=0.03)
+    assert speeds[9] == pytest.approx(1.0, rel=0.03)  # one slow step of the last three
+    assert 2.7 < speeds[10] < 3.3  # two of three: the cluster is slower now
+    assert 2.7 < learner.plan(lengths).info["speed"] < 3.3
