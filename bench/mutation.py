@@ -68,9 +68,9 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/planning/cost_fit.py": ["tests/test_cost_fit.py"],
     "dynamic_cp/runtime/cost_learning.py": ["tests/test_cost_learning.py", "-k", "not four_ranks"],
     "dynamic_cp/runtime/fsdp.py": _FSDP_PURE,
-    "dit/lora.py": ["tests/test_lora.py"],
+    "dit/lora.py": ["tests/test_lora_scale.py", "tests/test_lora.py"],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
-    "dit/sampling.py": ["tests/test_sampling_guidance.py"],
+    "dit/sampling.py": ["tests/test_sampling_guidance.py", "tests/test_sample_cli.py"],
     "dit/config.py": ["tests/test_config.py", "tests/test_config_cli.py"],
     "sample.py": ["tests/test_sample_cli.py"],
 }
