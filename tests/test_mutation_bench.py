@@ -136,4 +136,7 @@ def test_every_target_and_its_tests_exist(path):
     tests = mutation.TARGETS[path]
     for i, t in enumerate(tests):
         if not t.startswith("-") and (i == 0 or tests[i - 1] != "-k"):  # options and -k expressions aside
+            if "::" in t:  # a node id: the test must exist (a renamed test would silently drop out)
+                name = t.split("::")[1]
+                assert f"def {name}(" in (root / t.split("::")[0]).read_text(), t
             assert (root / t.split("::")[0]).is_file(), t
