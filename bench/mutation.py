@@ -73,7 +73,11 @@ TARGETS: dict[str, list[str]] = {
     "dit/flow.py": ["tests/test_flow.py"],
     "dit/checkpoint.py": ["tests/test_checkpoint.py"],
     "dynamic_cp/planning/rounds.py": ["tests/test_rounds.py", "tests/test_fsdp_planning.py"],
-    "dynamic_cp/planning/rounds_planner.py": ["tests/test_fsdp_planning.py", "tests/test_rounds.py"],
+    "dynamic_cp/planning/rounds_planner.py": [
+        "tests/test_rounds_planner_steps.py",
+        "tests/test_fsdp_planning.py",
+        "tests/test_rounds.py",
+    ],
     "dynamic_cp/planning/memory.py": ["tests/test_memory.py", "tests/test_memory_by_hand.py", *_FSDP_PURE],
     "dynamic_cp/planning/cost_fit.py": ["tests/test_cost_fit.py"],
     "dynamic_cp/runtime/cost_learning.py": ["tests/test_cost_learning.py", "-k", "not four_ranks"],
