@@ -41,6 +41,7 @@ import ast
 import importlib.abc
 import importlib.util
 import os
+import shlex
 import signal
 import sys
 import time
@@ -543,7 +544,8 @@ def main() -> None:
 
             count = len(mutants((ROOT / path).read_text()))
             only = sorted(random.Random(0).sample(range(count), min(args.sample, count)))
-        results.append(run_module(path, only, args.timeout_factor, equivalent, args.tests))
+        tests = shlex.split(args.tests) if args.tests else None
+        results.append(run_module(path, only, args.timeout_factor, equivalent, tests))
     print("\nmodule                               mutants  killed  equiv  survived  score")
     for r in results:
         total = r["killed"] + r["timeout"] + r["equivalent"] + r["survived"]
