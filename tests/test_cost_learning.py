@@ -247,3 +247,33 @@ def test_one_slow_step_does_not_move_the_speed_factor():
     assert speeds[9] == pytest.approx(1.0, rel=0.03)  # one slow step of the last three
     assert 2.7 < speeds[10] < 3.3  # two of three: the cluster is slower now
     assert 2.7 < learner.plan(lengths).info["speed"] < 3.3
+
+
+def test_refits_at_2_4_8_then_every_k_steps_and_skipped_steps_are_not_observed():
+    learner = _learner(start_step=0, plan_lag=0, refit_every=10, skip_steps=2, explore=False)
+    assert [s for s in range(1, 32) if learner.refit_due(s)] == [2, 4, 8, 10, 20, 30]
+    true = true_cluster(PRIOR)
+    lengths = [30000, 9000, 3000, 800] * 4
+    refits, sizes = [], []
+    for s in range(5):
+        plan = learner.plan(lengths)
+        measured = _measure(plan, lengths, true)
+        if s == 3:  # a micro-batch whose timing was lost (0 s) is not an observation
+            measured[0] = (0.0, 0.0, 0.0)
+        refits.append(learner.observe(s, plan, lengths, measured))
+        sizes.append(len(learner.observations))
+    n = len(plan.micro_batches)
+    assert sizes == [0, 0, n, 2 * n - 1, 3 * n - 1]  # steps 0 and 1 skipped (one-off start-up costs)
+    assert refits == [False, False, False, True, False]  # after 2 steps there was nothing to fit yet
+    assert learner.num_refits == 1
+
+
+def test_frozen_costs_plan_with_the_prior_forever():
+    learner = _learner(start_step=5, plan_lag=0, refit_every=1, skip_steps=0, learn=False)
+    true = true_cluster(PRIOR)
+    lengths = [30000, 9000, 3000, 800] * 4
+    for s in range(5, 9):
+        plan = learner.plan(lengths)
+        assert (plan.info["model_step"], plan.info["speed"], plan.info["explore_s"]) == (5, 1.0, 0.0)
+        assert learner.observe(s, plan, lengths, _measure(plan, lengths, true)) is False
+    assert learner.model is PRIOR and learner.num_refits == 0
