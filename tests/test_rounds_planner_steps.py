@@ -118,3 +118,22 @@ def test_solver_ms_is_the_wall_time_of_the_call(monkeypatch):
     ticks = iter([100.0, 100.25])  # the module's own clock: start and end of plan_rounds
     monkeypatch.setattr(rounds_planner, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert plan_rounds([5_000, 3_000], 2, 20_000.0, CM).solver_ms == pytest.approx(250.0)
+
+
+def test_a_waiting_clip_joins_the_least_loaded_block_that_stays_under_the_height():
+    # times 4, 3, 1, slack 1.5: height 1.5 * max(4, 8 / 2) = 6; clip 2 fits under it on both ranks
+    # (5 and 4) and takes rank 1, the less loaded
+    assert shelves([4, 3, 1], [9] * 3, [0] * 3, slack=1.5) == [[((0,), [0]), ((1,), [1, 2])]]
+
+
+def test_the_fewest_rounds_in_tokens_lower_the_first_rounds_height():
+    # 31 tokens over 2 ranks of cap 15: at least 2 rounds, so height max(2, 6 / (2 * 2)) = 2 and the
+    # short clips 2 and 3 wait; in round 2 (11 tokens: 1 round) they take a rank each. Counting one
+    # round would give height 3 and put clip 3 (5 tokens, 15 in all) beside clip 0 in round 1.
+    got = shelves([2, 2, 1, 1], [9] * 4, [0] * 4, lens=[10, 10, 6, 5], cap=15.0)
+    assert got == [[((0,), [0]), ((1,), [1])], [((0,), [2]), ((1,), [3])]]
+
+
+def test_one_clip_is_planned():
+    p = plan_rounds([5000], 2, 20000.0, CM)
+    assert [ids for _, ids in p.micro_batches] == [[0]] and p.rounds == [[0]]
