@@ -121,3 +121,51 @@ def test_fit_ignores_unmeasured_micro_batches_and_keeps_link_terms_without_cp():
     assert fit_terms([*measured, replace(measured[0], seconds=0.0)], SHAPE, PRIOR) == fitted
     assert [getattr(fitted, n) for n in COMM] == [getattr(PRIOR, n) for n in COMM]  # no CP > 1 seen
     assert fitted != PRIOR  # the compute terms moved
+
+
+def _huber(r, delta=0.05):
+    return np.where(r <= delta, 0.5 * r * r, delta * (r - 0.5 * delta)).sum()
+
+
+def _fit1(y, prior=1.0, lower=0.0, upper=1e6, denom=None, column=None):
+    """One unknown x, y_i = a_i x; the fit and its loss."""
+    from dynamic_cp.planning.cost_fit import _robust_fit
+
+    y = np.asarray(y, dtype=float)
+    A = np.ones((len(y), 1)) if column is None else np.asarray(column, dtype=float)[:, None]
+    one = np.ones(1)
+    x, loss = _robust_fit(A, y, prior * one, prior * one, lower * one, upper * one, denom)
+    return float(x[0]), loss
+
+
+def test_robust_fit_recovers_exact_data_and_reports_its_huber_loss():
+    x, loss = _fit1([2.0, 4.0, 6.0], column=[1.0, 2.0, 3.0])
+    assert x == pytest.approx(2.0, rel=1e-6) and loss == pytest.approx(0.0, abs=1e-10)
+    # 1, 1, 1.2: the relative residuals straddle the Huber knee (0.05); the loss is the documented
+    # Huber sum at the returned x
+    x, loss = _fit1([1.0, 1.0, 1.2])
+    r = np.abs(x - np.array([1.0, 1.0, 1.2])) / np.array([1.0, 1.0, 1.2])
+    assert r.max() > 0.05 and loss == pytest.approx(_huber(r), rel=1e-9)
+
+
+def test_robust_fit_down_weights_a_straggler():
+    # three micro-batches at 1 s and a straggler at 3 s. Least squares on relative residuals gives
+    # (3 + 1/3) / (3 + 1/9) = 1.071; Huber's fixed point weighs the straggler's row by delta / r with
+    # r = (3 - x) / 3, so the normal equation 3 (x - 1) - delta / 3 = 0 gives x = 1 + delta / 9.
+    # The prior's pull (weight 1e-6) and 6 IRLS passes leave it within 1e-7.
+    x, _ = _fit1([1.0, 1.0, 1.0, 3.0])
+    assert x == pytest.approx(1 + 0.05 / 9, rel=1e-7)
+    # residuals relative to another denominator (a micro-batch's whole time for comm terms)
+    x_denom, _ = _fit1([1.0, 2.0], denom=[1.0, 100.0])  # the second row barely counts
+    assert x_denom == pytest.approx(1.0, rel=0.02)
+
+
+def test_robust_fit_stays_inside_its_bounds_and_keeps_an_undetermined_term_at_its_prior():
+    assert _fit1([1e8, 1e8], upper=1e6)[0] == 1e6
+    assert _fit1([1.0, 1.0], lower=3.0)[0] == pytest.approx(3.0, rel=1e-12)
+    from dynamic_cp.planning.cost_fit import _robust_fit
+
+    A = np.array([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]])  # the second term never appears
+    prior = np.array([1.0, 7.0])
+    x, _ = _robust_fit(A, np.array([2.0, 4.0, 6.0]), prior, prior, np.zeros(2), np.full(2, 1e6))
+    assert x[0] == pytest.approx(2.0, rel=1e-6) and x[1] == pytest.approx(7.0, rel=1e-6)
