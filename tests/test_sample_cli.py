@@ -117,3 +117,55 @@ def test_mistakes_exit_2_naming_them(run_dir, tmp_path, capsys):
     cfg = load_config(TINY, tiny_overrides(tmp_path, **{"train.ema_decay": 0}))
     Trainer(cfg, device=torch.device("cpu")).save()
     fails(["--checkpoint", cfg.output_dir, *SMALL, "--prompt", "p"], "no ema weights, try --weights model")
+
+
+def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "\n    python sample.py --checkpoint runs/tiny --prompt" in out  # the example keeps its own line
+    text = " ".join(out.split())  # argparse wraps the help of each flag
+    for words in [
+        "Sample clips from a checkpoint",
+        "python sample.py --checkpoint runs/tiny --prompt",
+        "run directory (its latest checkpoint) or a step_* dir",
+        "a prompt; repeat for several",
+        "a text file with one prompt per line",
+        "EMA (default) or raw weights",
+        "Euler steps",
+        "classifier-free guidance scale; 1 disables",
+        "sigma shift; default: the run's flow.shift, else by token count",
+        "nearest-neighbour enlargement",
+        "also write a PNG grid of all frames",
+        "a Wan LoRA .safetensors file",
+        "strength of --lora (0 = the base)",
+        "output directory (default: <run>/samples)",
+    ]:
+        assert words in text, words
+    with pytest.raises(SystemExit):
+        sample.main(["--prompt", "x"])  # --checkpoint is required
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_lora_on_top_is_scaled_by_lora_scale(run_dir, tmp_path):
+    from dit import lora
+    from dit.config import LoraSettings
+    from dit.model import VideoDiT
+
+    (step,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    model = VideoDiT.from_pretrained(step / "model")
+    lora.add_lora(model, lora.peft_config(LoraSettings(rank=2)))
+    with torch.no_grad():
+        for p in lora.adapter_parameters(model):
+            p.copy_(0.5 * torch.randn_like(p))
+    lora.save_lora(model, tmp_path / "adapter")
+    flags = [*SMALL, "--weights", "model", "--lora", str(tmp_path / "adapter")]
+    base = _grid(run_dir, tmp_path, *SMALL, "--weights", "model")
+    full = _grid(run_dir, tmp_path, *flags)
+    np.testing.assert_array_equal(full, _grid(run_dir, tmp_path, *flags, "--lora-scale", "1"))  # the default
+    np.testing.assert_array_equal(base, _grid(run_dir, tmp_path, *flags, "--lora-scale", "0"))
+    half = _grid(run_dir, tmp_path, *flags, "--lora-scale", "0.5")
+    assert (
+        not np.array_equal(full, base) and not np.array_equal(half, base) and not np.array_equal(half, full)
+    )
