@@ -83,6 +83,7 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/planning/cost_fit.py": ["tests/test_cost_fit_by_hand.py", "tests/test_cost_fit.py"],
     "dynamic_cp/runtime/cost_learning.py": ["tests/test_cost_learning.py", "-k", "not four_ranks"],
     "dynamic_cp/runtime/fsdp.py": ["tests/test_fsdp_one_rank.py", *_FSDP_PURE],
+    "dynamic_cp/runtime/fsdp_checkpoint.py": ["tests/test_fsdp_checkpoint_one_rank.py"],
     "dit/lora.py": ["tests/test_lora_scale.py", "tests/test_lora.py"],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
     "dit/optim.py": ["tests/test_optim.py"],
