@@ -515,8 +515,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--tests",
-        nargs="+",
-        help="run these tests instead of the module's subset (e.g. the old tests, for a 'before' score)",
+        help="pytest arguments, one string, run instead of the module's subset (the old tests, for a "
+        "'before' score): --tests \"tests/test_x.py -k 'not slow'\"",
     )
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="per-mutant limit x baseline time")
     args = ap.parse_args()
