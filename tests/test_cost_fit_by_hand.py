@@ -169,3 +169,13 @@ def test_robust_fit_stays_inside_its_bounds_and_keeps_an_undetermined_term_at_it
     prior = np.array([1.0, 7.0])
     x, _ = _robust_fit(A, np.array([2.0, 4.0, 6.0]), prior, prior, np.zeros(2), np.full(2, 1e6))
     assert x[0] == pytest.approx(2.0, rel=1e-6) and x[1] == pytest.approx(7.0, rel=1e-6)
+
+
+def test_records_are_immutable_and_comm_defaults_to_zero():
+    import dataclasses
+
+    o = Observation((3,), 1, (1, 1), False, 1.0)
+    assert o.comm_seconds == 0.0  # micro-batches without CP spend nothing in collectives
+    for record in (o, SHAPE, PRIOR):  # observations are shared by the window, the fit and saved state
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.cp = 2
