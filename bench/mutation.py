@@ -81,7 +81,12 @@ TARGETS: dict[str, list[str]] = {
     ],
     "dynamic_cp/planning/memory.py": ["tests/test_memory_by_hand.py", "tests/test_memory.py"],
     "dynamic_cp/planning/cost_fit.py": ["tests/test_cost_fit_by_hand.py", "tests/test_cost_fit.py"],
-    "dynamic_cp/runtime/cost_learning.py": ["tests/test_cost_learning.py", "-k", "not four_ranks"],
+    "dynamic_cp/runtime/cost_learning.py": [
+        "tests/test_cost_learning_files.py",
+        "tests/test_cost_learning.py",
+        "-k",
+        "not four_ranks",
+    ],
     "dynamic_cp/runtime/fsdp.py": ["tests/test_fsdp_one_rank.py", *_FSDP_PURE],
     "dynamic_cp/runtime/fsdp_checkpoint.py": ["tests/test_fsdp_checkpoint_one_rank.py"],
     "dit/lora.py": ["tests/test_lora_scale.py", "tests/test_lora.py"],
