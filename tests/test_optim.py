@@ -78,3 +78,9 @@ def test_lr_schedules_warm_up_linearly_then_follow_their_shape_to_the_decay_step
     )
     early = _lrs(lr_schedule="linear", lr_decay_steps=6)  # lr_decay_steps replaces max_steps
     assert early[:7] == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_the_probe_steps_on_the_runs_device():
+    # fused AdamW has no kernel for the meta device: the probe must run there, not on the CPU
+    with pytest.raises(ValueError, match="^train.optimizer=adamw_fused cannot step on meta: "):
+        check_optimizer_runs(TrainConfig(optimizer="adamw_fused"), torch.device("meta"))

@@ -137,3 +137,8 @@ def test_the_fewest_rounds_in_tokens_lower_the_first_rounds_height():
 def test_one_clip_is_planned():
     p = plan_rounds([5000], 2, 20000.0, CM)
     assert [ids for _, ids in p.micro_batches] == [[0]] and p.rounds == [[0]]
+
+
+def test_a_cap_of_one_token_is_a_valid_cap():
+    p = plan_rounds([1, 1], 2, 1.0, CM)
+    assert sorted(ids for _, ids in p.micro_batches) == [[0], [1]] and round_violations(p) == []
