@@ -39,6 +39,9 @@ def test_compute_features_worked_by_hand():
     # one clip of 6 on 1 rank: text 5 * 4 / 3; attention 0.5 * 54 * 7 / 6 = 31.5
     want = [[1, 2, 10 * (3 + 1) + 70 / 6, 15.5], [1, 1, 10 * (6 + 1) + 20 / 3, 31.5]]
     np.testing.assert_allclose(got, want, rtol=1e-12)
+    one_token = compute_features([obs((6,))], replace(SHAPE, text_tokens=1), 2.0, 0.0)
+    # one text token still has a text term: 5 * (1 + 2) / 1 = 15; attention 0.5 * (36 + 6)
+    np.testing.assert_allclose(one_token, [[1, 1, 10 * (6 + 2) + 15, 0.5 * 42]], rtol=1e-12)
     no_text = compute_features([obs((6,))], replace(SHAPE, text_tokens=0), 2.0, 0.0)
     np.testing.assert_allclose(no_text, [[1, 1, 10 * (6 + 2), 0.5 * 36]], rtol=1e-12)
 
