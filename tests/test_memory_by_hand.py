@@ -131,3 +131,12 @@ def test_auto_picks_the_first_mode_that_fits_and_prices_its_cap():
         }
         with pytest.raises(ValueError, match=match):
             choose_fsdp_mode(**{**args, **bad})
+
+
+def test_auto_shards_from_two_ranks_and_any_positive_memory_is_a_question():
+    # two ranks can shard: per_step states on W = 2 are 4P/2 + (4P/2 + 4P) + 8P/2 + 2P = 14P = 50400,
+    # while none without ZeRO-1 needs 4P + 4P + 8P + 2P = 18P
+    got = choose_fsdp_mode(DIMS, 2, 1, 50400 + 1200, False, memory_fraction=1.0, shard_optimizer=False)
+    assert got == ("per_step", 50400 + 1200, 1)
+    with pytest.raises(ValueError, match="no fsdp mode fits"):  # 1 byte is a (too small) memory, not an error
+        choose_fsdp_mode(DIMS, 4, None, 1.0, False)
