@@ -140,3 +140,11 @@ def test_auto_shards_from_two_ranks_and_any_positive_memory_is_a_question():
     assert got == ("per_step", 50400 + 1200, 1)
     with pytest.raises(ValueError, match="no fsdp mode fits"):  # 1 byte is a (too small) memory, not an error
         choose_fsdp_mode(DIMS, 4, None, 1.0, False)
+
+
+def test_one_rank_tries_only_the_replicated_mode():
+    # 30 layers: per_layer's states on one rank (4P + 4P + 6P/30 + 8P + 4P/30 = 16.33P) would be
+    # below none's 18P, but one rank has nothing to shard with: no mode fits
+    deep = ModelDims(d=10, layers=30, ffn=20, heads=2, text_tokens=0)  # P = 36000
+    with pytest.raises(ValueError, match=r"on 1 ranks \(none: "):
+        choose_fsdp_mode(deep, 1, None, 600000.0, False, memory_fraction=1.0)
