@@ -182,3 +182,24 @@ def test_records_are_immutable_and_comm_defaults_to_zero():
     for record in (o, SHAPE, PRIOR):  # observations are shared by the window, the fit and saved state
         with pytest.raises(dataclasses.FrozenInstanceError):
             record.cp = 2
+
+
+@pytest.mark.parametrize(
+    "gemm_half, attn_half",
+    [
+        (100.0, 25.0),  # the attention knee on the grid (half the prior's)
+        (100.0, 50 * 2**-0.125),  # off the grid: the finer refinement step finds it
+        (0.0, 50.0),  # no GEMM knee: the 0 candidate
+    ],
+)
+def test_the_knee_search_finds_the_clusters_knee(gemm_half, attn_half):
+    """Noise-free one-rank micro-batches from a cluster whose knees differ from the prior's (100, 50):
+    the coordinate search over the grid of multiples (then the refinement) lands on them."""
+    true = replace(PRIOR, overhead=0.01, clip_overhead=0.002, gemm_half=gemm_half, attn_half=attn_half)
+    shapes = [(n,) for n in (20, 50, 100, 200, 400, 800, 1600, 3200)] + [(n, n // 2) for n in (60, 300, 1000)]
+    observed = [obs(s) for s in shapes]
+    coefficients = [true.overhead, true.clip_overhead, true.inv_gemm, true.inv_attn]
+    seconds = compute_features(observed, SHAPE, gemm_half, attn_half) @ coefficients
+    fitted = fit_terms([replace(o, seconds=float(s)) for o, s in zip(observed, seconds)], SHAPE, PRIOR)
+    assert (fitted.gemm_half, fitted.attn_half) == (gemm_half, attn_half)
+    assert fitted.inv_attn == pytest.approx(4.0, rel=1e-3)
