@@ -49,22 +49,6 @@ def _grid(run_dir, tmp_path, *flags, prompt="a red circle") -> np.ndarray:
     return imageio.imread(png)
 
 
-def test_defaults_are_the_documented_ones(run_dir, tmp_path):
-    """--weights ema, --steps 30, --guidance 4, the run's shift, --seed 0, --upscale 1; 9 frames of 16 x 16."""
-    small = ["--grid", "--frames", "1", "--height", "8", "--width", "8"]  # 30 steps of a 16-token clip
-    default = _grid(run_dir, tmp_path, *small)
-    explicit = ["--weights", "ema", "--steps", "30", "--guidance", "4", "--shift", "3", "--seed", "0",
-                "--upscale", "1", "--negative-prompt", ""]  # fmt: skip
-    np.testing.assert_array_equal(default, _grid(run_dir, tmp_path, *small, *explicit))
-    assert not np.array_equal(default, _grid(run_dir, tmp_path, *small, "--steps", "29"))
-    assert _grid(run_dir, tmp_path, "--grid", "--height", "8", "--width", "8", "--steps", "1").shape == (
-        8,
-        9 * 8,
-        3,
-    )
-    assert _grid(run_dir, tmp_path, "--grid", "--frames", "1", "--steps", "1").shape == (16, 16, 3)
-
-
 def test_shift_overrides_the_runs_flow_shift(run_dir, tmp_path):
     default = _grid(run_dir, tmp_path, *SMALL)
     np.testing.assert_array_equal(default, _grid(run_dir, tmp_path, *SMALL, "--shift", "3"))
@@ -169,3 +153,19 @@ def test_lora_on_top_is_scaled_by_lora_scale(run_dir, tmp_path):
     assert (
         not np.array_equal(full, base) and not np.array_equal(half, base) and not np.array_equal(half, full)
     )
+
+
+def test_defaults_are_the_documented_ones(run_dir, tmp_path):
+    """--weights ema, --steps 30, --guidance 4, the run's shift, --seed 0, --upscale 1; 9 frames of 16 x 16."""
+    small = ["--grid", "--frames", "1", "--height", "8", "--width", "8"]  # 30 steps of a 16-token clip
+    default = _grid(run_dir, tmp_path, *small)
+    explicit = ["--weights", "ema", "--steps", "30", "--guidance", "4", "--shift", "3", "--seed", "0",
+                "--upscale", "1", "--negative-prompt", ""]  # fmt: skip
+    np.testing.assert_array_equal(default, _grid(run_dir, tmp_path, *small, *explicit))
+    assert not np.array_equal(default, _grid(run_dir, tmp_path, *small, "--steps", "29"))
+    assert _grid(run_dir, tmp_path, "--grid", "--height", "8", "--width", "8", "--steps", "1").shape == (
+        8,
+        9 * 8,
+        3,
+    )
+    assert _grid(run_dir, tmp_path, "--grid", "--frames", "1", "--steps", "1").shape == (16, 16, 3)
