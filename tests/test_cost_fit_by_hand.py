@@ -164,8 +164,9 @@ def test_robust_fit_down_weights_a_straggler():
 
 
 def test_robust_fit_stays_inside_its_bounds_and_keeps_an_undetermined_term_at_its_prior():
-    assert _fit1([1e8, 1e8], upper=1e6)[0] == 1e6
-    assert _fit1([1.0, 1.0], lower=3.0)[0] == pytest.approx(3.0, rel=1e-12)
+    # bounds are in the terms' units, whatever the unknowns' scale (here the prior, 2)
+    assert _fit1([1e8, 1e8], prior=2.0, upper=1e6)[0] == pytest.approx(1e6, rel=1e-12)
+    assert _fit1([1.0, 1.0], prior=2.0, lower=3.0)[0] == pytest.approx(3.0, rel=1e-12)
     from dynamic_cp.planning.cost_fit import _robust_fit
 
     A = np.array([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]])  # the second term never appears
