@@ -266,6 +266,24 @@ def test_refits_at_2_4_8_then_every_k_steps_and_skipped_steps_are_not_observed()
     assert sizes == [0, 0, n, 2 * n - 1, 3 * n - 1]  # steps 0 and 1 skipped (one-off start-up costs)
     assert refits == [False, False, False, True, False]  # after 2 steps there was nothing to fit yet
     assert learner.num_refits == 1
+    late = _learner(start_step=5, plan_lag=0, refit_every=10, skip_steps=2, explore=False)  # a resumed run
+    for s in range(5, 8):
+        plan = late.plan(lengths)
+        late.observe(s, plan, lengths, _measure(plan, lengths, true))
+    assert len(late.observations) == n  # steps 5 and 6 are its start-up steps
+
+
+def test_exploration_stops_at_three_observations_of_a_size_and_layout():
+    learner = _learner(start_step=0, plan_lag=0, explore_budget=0.5)
+    lengths = [25000] * 32
+    for key in learner.wanted:
+        learner._seen[key] = 3
+    plan = learner.plan(lengths)
+    learner.observe(0, plan, lengths, [(0.0, 0.0, 0.0)] * len(plan.micro_batches))
+    assert "explored" not in learner.plan(lengths).info  # 3 of each seen: MIN_OBSERVATIONS
+    learner._seen[learner.wanted[-1]] = 2
+    learner.observe(1, plan, lengths, [(0.0, 0.0, 0.0)] * len(plan.micro_batches))
+    assert "explored" in learner.plan(lengths).info
 
 
 def test_frozen_costs_plan_with_the_prior_forever():

@@ -59,15 +59,15 @@ def test_resume_restores_the_learners_state_and_profile(tmp_path):
     assert learner.model_at(2).hw != learner.prior.hw  # the fit at speed 1.5 from step 2
     assert resumed.num_refits == 3 and resumed.model_at(2).hw == learner.model_at(2).hw
     # the saved profile: the newest model, with a header naming the step and the window
-    path = learner.save(tmp_path / "run", 12)
-    assert path == tmp_path / "run" / PROFILE_FILE
+    path = learner.save(tmp_path / "out" / "run", 12)  # folders made as needed
+    assert path == tmp_path / "out" / "run" / PROFILE_FILE
     text = path.read_text()
     assert text.startswith("# Learned by the training run at step 12 from 0 micro-batches\n")
     assert Hardware.load(str(path)) == learner.model.hw
     # hardware: auto on --resume reads the run's learned profile back as the prior
-    assert load_prior("auto", tmp_path / "run", resume=True) == learner.model.hw
-    assert load_prior("auto", tmp_path / "run", resume=False) is None
-    assert load_prior("h100", tmp_path / "run", resume=True) is None
+    assert load_prior("auto", tmp_path / "out" / "run", resume=True) == learner.model.hw
+    assert load_prior("auto", tmp_path / "out" / "run", resume=False) is None
+    assert load_prior("h100", tmp_path / "out" / "run", resume=True) is None
     assert load_prior("auto", tmp_path / "elsewhere", resume=True) is None
 
 

@@ -71,3 +71,16 @@ def test_only_the_target_modules_are_adapted_with_the_configured_dropout():
     assert model.get_submodule(LAYER).lora_A["default"].weight.shape[0] == 2  # the rank
     params = lora.adapter_parameters(model)
     assert len(params) == 8 and all(p.requires_grad and p.dtype == torch.float32 for p in params)
+
+
+def test_frozen_base_moves_to_the_compute_dtype_except_diffusers_fp32_modules():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(size="tiny", overrides={"num_layers": 1, "ffn_dim": 32}))
+    lora.freeze_base(model, torch.bfloat16)
+    keep = set(model._keep_in_fp32_modules)  # norms, time embedding, modulation tables
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert not any(p.requires_grad for p in model.parameters())
+    assert dtypes["blocks.0.attn1.to_q.weight"] == torch.bfloat16
+    assert dtypes["blocks.0.scale_shift_table"] == torch.float32
+    for n, dtype in dtypes.items():
+        assert dtype == (torch.float32 if keep & set(n.split(".")) else torch.bfloat16), n
