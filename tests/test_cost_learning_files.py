@@ -43,6 +43,16 @@ def test_the_learner_follows_the_config():
     off = _cfg("parallel.plan_ahead=false", "parallel.learn_costs=false", "parallel.explore_budget=0")
     learner = build_learner(off, model_config_of(off.model), None, None, start_step=0, resume_dir=None)
     assert (learner.plan_lag, learner.learn, learner.explore) == (0, False, False)
+    assert (
+        build_learner(
+            _cfg("parallel.explore_budget=0"), model_config_of(off.model), None, None, 0, None
+        ).explore
+        is False
+    )
+    a100 = _cfg("parallel.hardware=a100")
+    assert build_learner(a100, model_config_of(a100.model), None, None, 0, None).prior.hw == Hardware.load(
+        "a100"
+    )
     static = _cfg("parallel.mode=static")
     assert build_learner(static, model_config_of(static.model), None, None, 0, None).explore is False
 
@@ -56,6 +66,11 @@ def test_resume_restores_the_learners_state_and_profile(tmp_path):
     step_dir.mkdir()
     (step_dir / STATE_FILE).write_text(json.dumps(learner.state_dict()))
     resumed = build_learner(cfg, model_config_of(cfg.model), None, None, 2, step_dir)
+    auto = _cfg(
+        f"output_dir={tmp_path}", "parallel.hardware=auto"
+    )  # the saved state is the prior: no measuring
+    restored = build_learner(auto, model_config_of(auto.model), None, None, 2, step_dir)
+    assert restored.prior.hw == learner.prior.hw and restored.num_refits == 3
     assert learner.model_at(2).hw != learner.prior.hw  # the fit at speed 1.5 from step 2
     assert resumed.num_refits == 3 and resumed.model_at(2).hw == learner.model_at(2).hw
     # the saved profile: the newest model, with a header naming the step and the window
