@@ -84,3 +84,18 @@ def test_frozen_base_moves_to_the_compute_dtype_except_diffusers_fp32_modules():
     assert dtypes["blocks.0.scale_shift_table"] == torch.float32
     for n, dtype in dtypes.items():
         assert dtype == (torch.float32 if keep & set(n.split(".")) else torch.bfloat16), n
+
+
+def test_saved_file_loads_back_under_a_chosen_adapter_name(tmp_path):
+    model, layer = _adapted(LoraSettings(rank=2, alpha=4.0, target_modules=["to_q"]))
+    path = lora.save_lora(model, tmp_path / "adapter")
+    assert path == tmp_path / "adapter" / lora.WEIGHT_NAME and path.is_file()
+    x = torch.randn(5, layer.in_features)
+    want = layer(x).detach()
+    torch.manual_seed(0)  # the same base weights as _adapted's model
+    other = build_model(ModelConfig(size="tiny", overrides={"num_layers": 1, "ffn_dim": 32}))
+    lora.freeze_base(other, torch.float32)
+    config = lora.load_lora(other, path, adapter_name="trained")  # what sample.py does for a LoRA run
+    assert (config.r, config.lora_alpha) == (2, 4.0)
+    assert lora.adapter_parameters(other, "trained") and not lora.adapter_parameters(other)
+    torch.testing.assert_close(other.get_submodule(LAYER)(x), want, rtol=1e-6, atol=1e-7)
