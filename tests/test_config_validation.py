@@ -186,6 +186,7 @@ def test_values_are_converted_or_rejected_by_their_type():
     ]:
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace(".", r"\.")):
             load_config(None, items)
+    assert load_config(None, ["output_dir=runs/lr=1e-4"]).output_dir == "runs/lr=1e-4"  # '=' in a value
     assert load_config(None, ["model.lora={}"]).model.lora == LoraSettings()  # an empty section: defaults
     assert load_config(None, ["model.lora=null"]).model.lora is None
 

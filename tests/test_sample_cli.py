@@ -89,6 +89,8 @@ def test_files_seed_fps_upscale_prompts_file_and_default_out(run_dir, tmp_path):
     assert sample.main(["--checkpoint", str(run_dir), *no_grid, "--prompt", "x"]) == 0
     written = sorted(p.name for p in (run_dir / "samples").iterdir())  # the default --out
     assert written == ["00_x_seed0.mp4"]
+    with av.open(str(run_dir / "samples" / "00_x_seed0.mp4")) as f:
+        assert f.streams.video[0].average_rate == 8  # the default --fps
 
 
 def test_mistakes_exit_2_naming_them(run_dir, tmp_path, capsys):
