@@ -204,3 +204,24 @@ def test_the_knee_search_finds_the_clusters_knee(gemm_half, attn_half):
     fitted = fit_terms([replace(o, seconds=float(s)) for o, s in zip(observed, seconds)], SHAPE, PRIOR)
     assert (fitted.gemm_half, fitted.attn_half) == (gemm_half, attn_half)
     assert fitted.inv_attn == pytest.approx(4.0, rel=1e-3)
+
+
+def test_link_terms_are_fitted_to_the_measured_collective_seconds_of_cp_2():
+    """Ulysses on 2 ranks of a node, latency 3e-5 s and 4e-9 s per byte (the prior says 1e-5 and 1e-9),
+    plus one-rank micro-batches: the intra-node terms are recovered, the inter-node ones (never used)
+    keep their prior."""
+    prior = replace(PRIOR, overhead=0.0, clip_overhead=0.0, inv_gemm=1e-9, inv_attn=1e-9)
+    true = replace(prior, intra_latency=3e-5, intra_inv_bw=4e-9)
+    observed = [obs((n,), 2, (2, 1)) for n in (100, 400, 1600, 6400, 25600, 102400)]
+    observed += [obs((n,)) for n in (100, 1000, 10000)]
+    compute = compute_features(observed, SHAPE, true.gemm_half, true.attn_half) @ [
+        getattr(true, k) for k in COMPUTE
+    ]
+    comm = comm_features(observed, SHAPE)[0] @ [getattr(true, k) for k in COMM]
+    measured = [
+        replace(o, seconds=float(a + b), comm_seconds=float(b)) for o, a, b in zip(observed, compute, comm)
+    ]
+    fitted = fit_terms(measured, SHAPE, prior)
+    assert fitted.intra_latency == pytest.approx(3e-5, rel=0.01)
+    assert fitted.intra_inv_bw == pytest.approx(4e-9, rel=0.01)
+    assert (fitted.inter_latency, fitted.inter_inv_bw) == (prior.inter_latency, prior.inter_inv_bw)
