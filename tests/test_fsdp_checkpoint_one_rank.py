@@ -5,12 +5,17 @@ exports and the trainer state, and resuming from a replicated checkpoint (fsdp=n
 saved without EMA works. Resharding across world sizes is in tests/test_fsdp.py (spawned ranks).
 """
 
+# ruff: noqa: F811 (tests take the imported `world` fixture as an argument)
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
-from test_fsdp_one_rank import CPU, _full, _loss, _model
+from test_fsdp_one_rank import (
+    CPU,
+    _full,
+    _loss,
+    _model,
+    world,  # noqa: F401 (the one-rank gloo fixture, shared)
+)
 
 from dit.checkpoint import save_checkpoint
 from dit.model import VideoDiT
@@ -18,16 +23,6 @@ from dynamic_cp.runtime import fsdp
 from dynamic_cp.runtime.fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
 
 STATE = {"lr_schedule": {"last_epoch": 3}, "bad_steps": 1}
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = tmp_path_factory.mktemp("fsdp_ckpt_one_rank") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _trained(world, seed: int = 0):
