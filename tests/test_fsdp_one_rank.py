@@ -170,3 +170,14 @@ def test_mixed_precision_policy_and_memory_per_rank(monkeypatch):
     assert fsdp.memory_per_rank(load_config(None, [])) == ram
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # the node's RAM shared by its ranks
     assert fsdp.memory_per_rank(load_config(None, [])) == ram / 4
+
+
+def test_auto_prices_a_lora_run_with_its_adapter_ema():
+    from dynamic_cp.planning.memory import memory_breakdown
+
+    cfg = load_config(None, ["model.lora={rank: 8}", "train.ema_decay=0.9", "model.gradient_checkpointing=true"])
+    dims = fsdp.model_dims_of(cfg)
+    mode, expected, cap = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+    want = memory_breakdown(dims, "lora", 4, cap, True, ema=True, lora_rank=8)
+    assert (mode, expected, cap) == ("none", want.total, cfg.train.micro_batch_tokens)
+    assert want.ema > 0  # the adapters' fp32 average is counted
