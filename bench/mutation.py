@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD python bench/mutation.py dit/flow.py                  # one module
     PYTHONPATH=$PWD python bench/mutation.py dit/flow.py --only 12 31     # re-run mutants 12 and 31
     PYTHONPATH=$PWD python bench/mutation.py --list dit/flow.py           # print the mutants, run nothing
+    PYTHONPATH=$PWD python bench/mutation.py dit/ema.py --tests tests/test_trainer_guards.py  # other tests
     PYTHONPATH=$PWD python bench/mutation.py --sample 60 dynamic_cp/planning/planner.py  # an estimate
 
 Each mutant is one small change of the module's syntax tree:
@@ -13,7 +14,12 @@ Each mutant is one small change of the module's syntax tree:
   ``**`` -> ``*``);
 - an integer constant off by one (n -> n + 1), a float scaled (x -> 2x; 0.0 -> 1.0), a bool negated;
 - ``and`` <-> ``or``; ``not x`` -> ``x``;
-- a ``return value`` that returns ``None`` instead.
+- a ``return value`` that returns ``None`` instead;
+- a reducing call replaced by another (``median`` -> ``mean`` / ``max``, ``mean`` -> ``median``,
+  ``max`` <-> ``min``, ``sum`` -> ``max``; ``np.median(x)``, ``x.mean()`` and the builtins alike);
+- a keyword argument dropped from a call (``f(x, shift=s)`` -> ``f(x)``: a flag read and ignored),
+  and a call whose result is used replaced by its first argument (``x = shift(x, s)`` -> ``x = x``:
+  a transform that is read but never applied).
 Docstrings, annotations, f-strings and the arguments of ``raise`` (error messages) are not mutated.
 
 How a mutant runs: this process imports the third-party libraries once (torch, hypothesis, ...) by
@@ -35,6 +41,7 @@ import ast
 import importlib.abc
 import importlib.util
 import os
+import shlex
 import signal
 import sys
 import time
@@ -44,7 +51,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
 
-# module -> the fast test subset that guards it (seconds per mutant once imports are warm)
+# module -> the fast test subset that guards it (seconds per mutant once imports are warm). Entries
+# are pytest arguments: files, node ids (test_fsdp.py's process-spawning tests stay out of the
+# subset), or options; an option such as ``-k`` applies to every file of the list.
+_FSDP_PURE = [
+    f"tests/test_fsdp.py::{name}"
+    for name in (
+        "test_fsdp_config_errors_name_the_field",
+        "test_explicit_modes_resolve_to_themselves",
+        "test_auto_picks_the_fastest_mode_that_fits",
+        "test_auto_without_a_fitting_mode_names_the_knobs",
+        "test_auto_keeps_a_lora_run_replicated_and_refuses_lora_under_fsdp",
+        "test_memory_gb_must_be_positive",
+    )
+]
 TARGETS: dict[str, list[str]] = {
     "dynamic_cp/planning/planner.py": ["tests/test_planner.py", "tests/test_planner_bruteforce.py"],
     "dynamic_cp/planning/simulator.py": ["tests/test_simulate.py"],
@@ -53,6 +73,28 @@ TARGETS: dict[str, list[str]] = {
     "dit/packing.py": ["tests/test_packing.py"],
     "dit/flow.py": ["tests/test_flow.py"],
     "dit/checkpoint.py": ["tests/test_checkpoint.py"],
+    "dynamic_cp/planning/rounds.py": ["tests/test_rounds.py", "tests/test_fsdp_planning.py"],
+    "dynamic_cp/planning/rounds_planner.py": [
+        "tests/test_rounds_planner_steps.py",
+        "tests/test_fsdp_planning.py",
+        "tests/test_rounds.py",
+    ],
+    "dynamic_cp/planning/memory.py": ["tests/test_memory_by_hand.py", "tests/test_memory.py"],
+    "dynamic_cp/planning/cost_fit.py": ["tests/test_cost_fit_by_hand.py", "tests/test_cost_fit.py"],
+    "dynamic_cp/runtime/cost_learning.py": [
+        "tests/test_cost_learning_files.py",
+        "tests/test_cost_learning.py",
+        "-k",
+        "not four_ranks",
+    ],
+    "dynamic_cp/runtime/fsdp.py": ["tests/test_fsdp_one_rank.py", *_FSDP_PURE],
+    "dynamic_cp/runtime/fsdp_checkpoint.py": ["tests/test_fsdp_checkpoint_one_rank.py"],
+    "dit/lora.py": ["tests/test_lora_scale.py", "tests/test_lora.py"],
+    "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
+    "dit/optim.py": ["tests/test_optim.py"],
+    "dit/sampling.py": ["tests/test_sampling_guidance.py", "tests/test_sample_cli.py"],
+    "dit/config.py": ["tests/test_config_validation.py", "tests/test_config.py", "tests/test_config_cli.py"],
+    "sample.py": ["tests/test_sample_cli.py"],
 }
 
 COMPARE_SWAP = {
@@ -77,6 +119,67 @@ BINOP_SWAP = {
     ast.Pow: ast.Mult,
 }
 BOOL_SWAP = {ast.And: ast.Or, ast.Or: ast.And}
+# a reducing call -> the reductions a slip could put in its place (``np.median`` -> ``np.mean``, ...)
+REDUCE_SWAP = {
+    "median": ("mean", "max"),
+    "nanmedian": ("nanmean",),
+    "mean": ("median",),
+    "nanmean": ("nanmedian",),
+    "max": ("min",),
+    "min": ("max",),
+    "amax": ("amin",),
+    "amin": ("amax",),
+    "sum": ("max",),
+}
+BUILTIN_REDUCE = {"max", "min", "sum"}  # bare names: only swap between builtins (no NameError mutants)
+# calls whose result is not "the first argument transformed": dropping them is a type change, not a
+# forgotten step, so the call-dropping operator leaves them alone
+NOT_TRANSFORMS = {
+    "len",
+    "int",
+    "float",
+    "str",
+    "bool",
+    "range",
+    "isinstance",
+    "issubclass",
+    "list",
+    "tuple",
+    "dict",
+    "set",
+    "frozenset",
+    "sorted",
+    "reversed",
+    "enumerate",
+    "zip",
+    "print",
+    "getattr",
+    "hasattr",
+    "setattr",
+    "type",
+    "super",
+    "repr",
+    "iter",
+    "next",
+    "id",
+    "hash",
+    "callable",
+    "vars",
+    "open",
+    "Path",
+    "object",
+    "max",
+    "min",
+    "sum",
+    "any",
+    "all",
+    "map",
+    "filter",
+    "divmod",
+    "format",
+    "ord",
+    "chr",
+}
 SYMBOL = {
     ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=",
     ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not", ast.Add: "+", ast.Sub: "-",
@@ -190,6 +293,47 @@ class _Mutator(ast.NodeTransformer):
                 return ast.copy_location(ast.Constant(new), node)
         return node
 
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if id(node) in self.skip:
+            return node
+        func = node.func
+        name = (
+            func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        )
+        for new in REDUCE_SWAP.get(name, ()):
+            if isinstance(func, ast.Name) and new not in BUILTIN_REDUCE:
+                continue
+            if self._site(node, f"call {name} -> {new}"):
+                if isinstance(func, ast.Name):
+                    node.func = ast.copy_location(ast.Name(new, ast.Load()), func)
+                else:
+                    node.func = ast.copy_location(ast.Attribute(func.value, new, ast.Load()), func)
+        for i, kw in enumerate(node.keywords):
+            if kw.arg is not None and self._site(node, f"drop keyword {kw.arg}="):
+                node.keywords = node.keywords[:i] + node.keywords[i + 1 :]
+                break
+        return node
+
+    def _drop_call(self, call):
+        """A used call ``f(a, ...)`` -> ``a``: the transform is written but never applied."""
+        if not isinstance(call, ast.Call) or id(call) in self.skip or not call.args:
+            return call
+        if (
+            isinstance(call.args[0], ast.Starred)
+            or isinstance(call.func, ast.Name)
+            and call.func.id in NOT_TRANSFORMS
+        ):
+            return call
+        if self._site(call, "drop call, keep its first argument"):
+            return call.args[0]
+        return call
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)
+        node.value = self._drop_call(node.value)
+        return node
+
     def visit_Return(self, node):
         self.generic_visit(node)
         if id(node) in self.skip or node.value is None:
@@ -198,6 +342,8 @@ class _Mutator(ast.NodeTransformer):
             return node
         if self._site(node, "return None"):
             node.value = ast.copy_location(ast.Constant(None), node.value)
+            return node
+        node.value = self._drop_call(node.value)
         return node
 
 
@@ -327,8 +473,10 @@ def _warm_imports(tests: list[str]) -> None:
     _forget_project_modules()
 
 
-def run_module(path: str, only: list[int] | None, timeout_factor: float, equivalent: dict) -> dict:
-    tests = TARGETS[path]
+def run_module(
+    path: str, only: list[int] | None, timeout_factor: float, equivalent: dict, tests: list[str] | None = None
+) -> dict:
+    tests = tests or TARGETS[path]
     source = (ROOT / path).read_text()
     sites = mutants(source)
     _warm_imports(tests)
@@ -370,6 +518,11 @@ def main() -> None:
     ap.add_argument(
         "--sample", type=int, help="run a seeded random sample of this many mutants per module (an estimate)"
     )
+    ap.add_argument(
+        "--tests",
+        help="pytest arguments, one string, run instead of the module's subset (the old tests, for a "
+        "'before' score): --tests \"tests/test_x.py -k 'not slow'\"",
+    )
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="per-mutant limit x baseline time")
     args = ap.parse_args()
     for path in args.modules:
@@ -397,7 +550,8 @@ def main() -> None:
 
             count = len(mutants((ROOT / path).read_text()))
             only = sorted(random.Random(0).sample(range(count), min(args.sample, count)))
-        results.append(run_module(path, only, args.timeout_factor, equivalent))
+        tests = shlex.split(args.tests) if args.tests else None
+        results.append(run_module(path, only, args.timeout_factor, equivalent, tests))
     print("\nmodule                               mutants  killed  equiv  survived  score")
     for r in results:
         total = r["killed"] + r["timeout"] + r["equivalent"] + r["survived"]

@@ -224,3 +224,74 @@ def test_four_ranks_fit_bitwise_equal_coefficients_and_identical_plans(tmp_path)
 def test_unused_observation_fields_are_checked():
     with pytest.raises(ValueError):
         Observation((), 1, (1, 1), False, 1.0)
+
+
+def test_one_slow_step_does_not_move_the_speed_factor():
+    """A straggler step (3x slower: a hiccup on one node) between normal ones: the median of the last
+    3 steps' ratios ignores it, so the next plans keep the fit's pace (a mean would predict 1.67x, a
+    max 3x); two slow steps of the last three are followed. refit_every=100: refits after 2, 4 and 8
+    steps only (the last one's window holds the straggler, so the fit's pace is a few percent off)."""
+    true = true_cluster(PRIOR)
+    learner = _learner(start_step=0, plan_lag=0, refit_every=100, skip_steps=0, explore=False)
+    lengths = [30000, 9000, 3000, 800] * 4
+    speeds = {}
+    for s in range(11):
+        slow = 3.0 if s in (4, 8, 9, 10) else 1.0
+        plan = learner.plan(lengths)
+        speeds[s] = plan.info["speed"]
+        learner.observe(
+            s, plan, lengths, [(a, secs * slow, c) for a, secs, c in _measure(plan, lengths, true)]
+        )
+    for s in (5, 6, 7):  # after the straggler of step 4
+        assert speeds[s] == pytest.approx(1.0, rel=0.03)
+    assert speeds[9] == pytest.approx(1.0, rel=0.03)  # one slow step of the last three
+    assert 2.7 < speeds[10] < 3.3  # two of three: the cluster is slower now
+    assert 2.7 < learner.plan(lengths).info["speed"] < 3.3
+
+
+def test_refits_at_2_4_8_then_every_k_steps_and_skipped_steps_are_not_observed():
+    learner = _learner(start_step=0, plan_lag=0, refit_every=10, skip_steps=2, explore=False)
+    assert [s for s in range(1, 32) if learner.refit_due(s)] == [2, 4, 8, 10, 20, 30]
+    true = true_cluster(PRIOR)
+    lengths = [30000, 9000, 3000, 800] * 4
+    refits, sizes = [], []
+    for s in range(5):
+        plan = learner.plan(lengths)
+        measured = _measure(plan, lengths, true)
+        if s == 3:  # a micro-batch whose timing was lost (0 s) is not an observation
+            measured[0] = (0.0, 0.0, 0.0)
+        refits.append(learner.observe(s, plan, lengths, measured))
+        sizes.append(len(learner.observations))
+    n = len(plan.micro_batches)
+    assert sizes == [0, 0, n, 2 * n - 1, 3 * n - 1]  # steps 0 and 1 skipped (one-off start-up costs)
+    assert refits == [False, False, False, True, False]  # after 2 steps there was nothing to fit yet
+    assert learner.num_refits == 1
+    late = _learner(start_step=5, plan_lag=0, refit_every=10, skip_steps=2, explore=False)  # a resumed run
+    for s in range(5, 8):
+        plan = late.plan(lengths)
+        late.observe(s, plan, lengths, _measure(plan, lengths, true))
+    assert len(late.observations) == n  # steps 5 and 6 are its start-up steps
+
+
+def test_exploration_stops_at_three_observations_of_a_size_and_layout():
+    learner = _learner(start_step=0, plan_lag=0, explore_budget=0.5)
+    lengths = [25000] * 32
+    for key in learner.wanted:
+        learner._seen[key] = 3
+    plan = learner.plan(lengths)
+    learner.observe(0, plan, lengths, [(0.0, 0.0, 0.0)] * len(plan.micro_batches))
+    assert "explored" not in learner.plan(lengths).info  # 3 of each seen: MIN_OBSERVATIONS
+    learner._seen[learner.wanted[-1]] = 2
+    learner.observe(1, plan, lengths, [(0.0, 0.0, 0.0)] * len(plan.micro_batches))
+    assert "explored" in learner.plan(lengths).info
+
+
+def test_frozen_costs_plan_with_the_prior_forever():
+    learner = _learner(start_step=5, plan_lag=0, refit_every=1, skip_steps=0, learn=False)
+    true = true_cluster(PRIOR)
+    lengths = [30000, 9000, 3000, 800] * 4
+    for s in range(5, 9):
+        plan = learner.plan(lengths)
+        assert (plan.info["model_step"], plan.info["speed"], plan.info["explore_s"]) == (5, 1.0, 0.0)
+        assert learner.observe(s, plan, lengths, _measure(plan, lengths, true)) is False
+    assert learner.model is PRIOR and learner.num_refits == 0

@@ -69,3 +69,28 @@ def test_rounds_errors():
         lockstep_rounds(p, 3)
     with pytest.raises(ValueError, match="lockstep_rounds"):
         rank_round_schedule(p, 0)
+
+
+def test_round_violations_name_every_broken_invariant():
+    p = Plan([((0, 1), [0]), ((1,), [1]), ((0,), [2])], 2, 100.0, rounds=[[0, 1], [2]])
+    assert round_violations(p) == [  # rank 1's two micro-batches in one round: shared and unordered
+        "round 0: micro-batch 1 shares ranks [1]",
+        "rank 1 runs its micro-batches out of plan order: rounds [0, 0]",
+    ]
+    p.rounds = [[0, 3], [-1], [2]]
+    assert round_violations(p) == [
+        "round 0 names micro-batch 3, outside 0..2",
+        "round 1 names micro-batch -1, outside 0..2",
+        "micro-batch 1 is in 0 rounds",
+        "rank 1 runs its micro-batches out of plan order: rounds [0, -1]",
+    ]
+    p.rounds = [[0], [1], [2], [1]]
+    assert round_violations(p) == ["micro-batch 1 is in 2 rounds"]
+    p.rounds = [[0], [1, 2]]
+    assert round_violations(p) == []
+
+
+def test_lockstep_rounds_rejects_a_rank_outside_the_world():
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=f"micro-batch 1 names rank {bad}, outside 0..1"):
+            lockstep_rounds(Plan([((0,), [0]), ((1, bad), [1])], 2, 100.0), 2)

@@ -1,0 +1,173 @@
+"""sample.py's flags take effect and its defaults are the documented ones (a tiny checkpoint, in-process).
+
+Each run writes a PNG grid (rows = prompts, columns = frames); two runs are compared through it, which
+is what a user looks at. The checkpoint is a tiny model whose live weights were moved away from its
+EMA, so --weights is visible too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import imageio.v2 as imageio
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_overrides
+
+import sample
+from dit.config import load_config
+from dit.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+SMALL = ["--frames", "1", "--height", "8", "--width", "8", "--steps", "2", "--grid"]  # fast runs
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sample_cli")
+    cfg = load_config(TINY, tiny_overrides(tmp, **{"train.ema_decay": 0.5}))
+    assert cfg.flow.shift == 3.0  # the run's shift, which --shift overrides
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    with torch.no_grad():  # an initial model predicts zero velocity (zero-initialised output layer)
+        for live, ema in zip(trainer.model.parameters(), trainer.ema.model.parameters()):
+            live.add_(0.05 * torch.randn_like(live))
+            ema.add_(0.05 * torch.randn_like(ema))  # and the EMA weights differ from the live ones
+    trainer.save()
+    return Path(cfg.output_dir)
+
+
+def _grid(run_dir, tmp_path, *flags, prompt="a red circle") -> np.ndarray:
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+    argv = ["--checkpoint", str(run_dir), "--out", str(out), *flags]
+    if prompt is not None:
+        argv += ["--prompt", prompt]
+    assert sample.main(argv) == 0
+    (png,) = out.glob("*.png")
+    return imageio.imread(png)
+
+
+def test_shift_overrides_the_runs_flow_shift(run_dir, tmp_path):
+    default = _grid(run_dir, tmp_path, *SMALL)
+    np.testing.assert_array_equal(default, _grid(run_dir, tmp_path, *SMALL, "--shift", "3"))
+    assert not np.array_equal(default, _grid(run_dir, tmp_path, *SMALL, "--shift", "1"))
+
+
+def test_weights_guidance_and_negative_prompt_take_effect(run_dir, tmp_path):
+    default = _grid(run_dir, tmp_path, *SMALL)
+    assert not np.array_equal(default, _grid(run_dir, tmp_path, *SMALL, "--weights", "model"))
+    assert not np.array_equal(default, _grid(run_dir, tmp_path, *SMALL, "--guidance", "1"))
+    assert not np.array_equal(default, _grid(run_dir, tmp_path, *SMALL, "--negative-prompt", "blue"))
+    unguided = _grid(run_dir, tmp_path, *SMALL, "--guidance", "1")  # no negative branch without guidance
+    np.testing.assert_array_equal(
+        unguided, _grid(run_dir, tmp_path, *SMALL, "--guidance", "1", "--negative-prompt", "blue")
+    )
+
+
+def test_files_seed_fps_upscale_prompts_file_and_default_out(run_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a blue square\n\n  \na green dot\n")
+    out = tmp_path / "files"
+    argv = ["--checkpoint", str(run_dir), *SMALL, "--upscale", "2", "--seed", "7", "--fps", "5"]
+    assert sample.main([*argv, "--prompt", "first", "--prompts-file", str(prompts), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        "00_first_seed7.mp4",
+        "01_a_blue_square_seed7.mp4",
+        "02_a_green_dot_seed7.mp4",
+        "grid_seed7.png",
+    ]
+    assert imageio.imread(out / "grid_seed7.png").shape == (3 * 16, 16, 3)  # 3 prompts, 8 px x 2
+    import av
+
+    with av.open(str(out / "00_first_seed7.mp4")) as f:
+        assert f.streams.video[0].average_rate == 5
+        assert (f.streams.video[0].height, f.streams.video[0].width) == (16, 16)
+    no_grid = [a for a in SMALL if a != "--grid"]
+    assert sample.main(["--checkpoint", str(run_dir), *no_grid, "--prompt", "x"]) == 0
+    written = sorted(p.name for p in (run_dir / "samples").iterdir())  # the default --out
+    assert written == ["00_x_seed0.mp4"]
+    with av.open(str(run_dir / "samples" / "00_x_seed0.mp4")) as f:
+        assert f.streams.video[0].average_rate == 8  # the default --fps
+
+
+def test_mistakes_exit_2_naming_them(run_dir, tmp_path, capsys):
+    def fails(argv, words):
+        assert sample.main(argv) == 2
+        assert words in capsys.readouterr().err
+
+    fails(["--checkpoint", str(run_dir), *SMALL, "--prompt", "p", "--upscale", "0"], "--upscale 0")
+    fails(["--checkpoint", str(run_dir), *SMALL], "no prompt given")
+    cfg = load_config(TINY, tiny_overrides(tmp_path, **{"train.ema_decay": 0}))
+    Trainer(cfg, device=torch.device("cpu")).save()
+    fails(["--checkpoint", cfg.output_dir, *SMALL, "--prompt", "p"], "no ema weights, try --weights model")
+
+
+def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "\n    python sample.py --checkpoint runs/tiny --prompt" in out  # the example keeps its own line
+    text = " ".join(out.split())  # argparse wraps the help of each flag
+    for words in [
+        "Sample clips from a checkpoint",
+        "python sample.py --checkpoint runs/tiny --prompt",
+        "run directory (its latest checkpoint) or a step_* dir",
+        "a prompt; repeat for several",
+        "a text file with one prompt per line",
+        "EMA (default) or raw weights",
+        "Euler steps",
+        "classifier-free guidance scale; 1 disables",
+        "sigma shift; default: the run's flow.shift, else by token count",
+        "nearest-neighbour enlargement",
+        "also write a PNG grid of all frames",
+        "a Wan LoRA .safetensors file",
+        "strength of --lora (0 = the base)",
+        "output directory (default: <run>/samples)",
+    ]:
+        assert words in text, words
+    with pytest.raises(SystemExit):
+        sample.main(["--prompt", "x"])  # --checkpoint is required
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_lora_on_top_is_scaled_by_lora_scale(run_dir, tmp_path):
+    from dit import lora
+    from dit.config import LoraSettings
+    from dit.model import VideoDiT
+
+    (step,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    model = VideoDiT.from_pretrained(step / "model")
+    lora.add_lora(model, lora.peft_config(LoraSettings(rank=2)))
+    with torch.no_grad():
+        for p in lora.adapter_parameters(model):
+            p.copy_(0.5 * torch.randn_like(p))
+    lora.save_lora(model, tmp_path / "adapter")
+    flags = [*SMALL, "--weights", "model", "--lora", str(tmp_path / "adapter")]
+    base = _grid(run_dir, tmp_path, *SMALL, "--weights", "model")
+    full = _grid(run_dir, tmp_path, *flags)
+    np.testing.assert_array_equal(full, _grid(run_dir, tmp_path, *flags, "--lora-scale", "1"))  # the default
+    np.testing.assert_array_equal(base, _grid(run_dir, tmp_path, *flags, "--lora-scale", "0"))
+    half = _grid(run_dir, tmp_path, *flags, "--lora-scale", "0.5")
+    assert (
+        not np.array_equal(full, base) and not np.array_equal(half, base) and not np.array_equal(half, full)
+    )
+
+
+def test_defaults_are_the_documented_ones(run_dir, tmp_path):
+    """--weights ema, --steps 30, --guidance 4, the run's shift, --seed 0, --upscale 1; 9 frames of 16 x 16."""
+    small = ["--grid", "--frames", "1", "--height", "8", "--width", "8"]  # 30 steps of a 16-token clip
+    default = _grid(run_dir, tmp_path, *small)
+    explicit = ["--weights", "ema", "--steps", "30", "--guidance", "4", "--shift", "3", "--seed", "0",
+                "--upscale", "1", "--negative-prompt", ""]  # fmt: skip
+    np.testing.assert_array_equal(default, _grid(run_dir, tmp_path, *small, *explicit))
+    assert not np.array_equal(default, _grid(run_dir, tmp_path, *small, "--steps", "29"))
+    assert _grid(run_dir, tmp_path, "--grid", "--height", "8", "--width", "8", "--steps", "1").shape == (
+        8,
+        9 * 8,
+        3,
+    )
+    assert _grid(run_dir, tmp_path, "--grid", "--frames", "1", "--steps", "1").shape == (16, 16, 3)
