@@ -129,7 +129,11 @@ class TrainConfig:
     log_every: int = 10  # steps between metric lines
     val_every: int = 50  # steps between validation losses
     checkpoint_every: int = 100  # steps between checkpoints
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk (below 2, a crash while saving can leave none)
+    # 'auto': resume the newest whole checkpoint of output_dir, or start fresh when there is none (the
+    # setting for jobs that torchrun or SLURM restart); a path: resume that run or step directory;
+    # null: a new run. train.py's --resume overrides it
+    resume: str | None = None
     max_bad_steps: int = 20  # non-finite losses in a row before the run stops
     peak_tflops: float | None = None  # accelerator peak for the MFU figure (989 for H100 bf16); None = no MFU
     report_to: list = field(default_factory=lambda: ["jsonl"])  # any of 'jsonl', 'tensorboard', 'wandb'

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
     return None
 
 
+def _step_of(line: str) -> float:
+    """The step of one metrics.jsonl line; infinity for a line cut short (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return math.inf
+
+
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
 
@@ -56,6 +65,11 @@ class Trainer:
         check_trackers_installed(cfg.train.report_to)
         check_optimizer_runs(cfg.train, self.device)
         self._tracker: Tracker | None = None
+        if cfg.train.keep_checkpoints < 2 and self.is_main:
+            print(
+                f"warning: train.keep_checkpoints={cfg.train.keep_checkpoints}: a crash while saving can "
+                "leave no whole checkpoint to resume; keep 2 or more"
+            )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         self.lora = cfg.model.lora is not None
@@ -189,8 +203,11 @@ class Trainer:
         """A resumed run rewrites history after its checkpoint, so the log reads like one clean run."""
         path = self.out / "metrics.jsonl"
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+            # a line cut by the kill (no closing brace) is dropped with the later ones
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)  # a kill while truncating leaves the old or the new log, whole
 
     @property
     def tracker(self) -> Tracker:
