@@ -129,7 +129,9 @@ class TrainConfig:
     log_every: int = 10  # steps between metric lines
     val_every: int = 50  # steps between validation losses
     checkpoint_every: int = 100  # steps between checkpoints
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk (below 2, a crash while saving can leave none)
+    keep_checkpoints: int = (
+        2  # newest checkpoints kept on disk (below 2, a crash while saving can leave none)
+    )
     # 'auto': resume the newest whole checkpoint of output_dir, or start fresh when there is none (the
     # setting for jobs that torchrun or SLURM restart); a path: resume that run or step directory;
     # null: a new run. train.py's --resume overrides it
@@ -220,8 +222,14 @@ class ParallelConfig:
     # memory per rank (GB) that parallel.fsdp=auto plans for; None = the device's own (CUDA: the
     # GPU's; CPU: the machine's RAM over the node's ranks). Lower it to leave headroom
     memory_gb: float | None = None
+    # seconds a collective may wait before its rank stops with a line naming it (a hung or dead
+    # rank); start-up, the first step, validation, samples and checkpoints get 3x (torchtitan's
+    # 100 s / 300 s). On NCCL each rank then dumps its flight-recorder trace (docs/runtime.md)
+    timeout_s: float = 100.0
 
     def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s} must be positive (seconds, e.g. 100)")
         if self.mode not in ("none", "static", "dynamic"):
             raise ValueError(f"parallel.mode={self.mode!r}; use 'none', 'static' or 'dynamic'")
         if self.fsdp not in ("none", "per_step", "per_layer", "auto"):

@@ -333,8 +333,8 @@ class Trainer:
     def write_samples(self) -> list[str]:
         """Validation clips of ``train.sample_prompts`` at a fixed seed -> mp4s and a PNG grid under
         ``<output_dir>/samples``; returns their paths. Only the logging rank samples: under torchrun
-        the others go on to the next step and wait in its first collective (the process group's
-        timeout, 30 minutes in ``run_distributed``, bounds how long sampling may take)."""
+        the others wait in a barrier (``side_work``; 3 x ``parallel.timeout_s`` bounds how long
+        sampling may take)."""
         if not self.is_main:
             return []
         from dit.sampling import generate, write_clips
@@ -373,6 +373,11 @@ class Trainer:
                 c.data.num_workers,
             )
         )  # fmt: skip
+
+    def side_work(self):
+        """Around what follows a step (validation, samples, logs, checkpoint): the distributed
+        runtime gives it a longer collective timeout, as rank 0 may do it alone while others wait."""
+        return contextlib.nullcontext()
 
     def run_step(self, samples: list[dict]) -> tuple[dict, list[int]]:
         """One optimizer step on a global batch from ``data_iterator``: (metrics, clip token counts)."""
@@ -414,18 +419,21 @@ class Trainer:
                 }
                 if t.peak_tflops:
                     record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
-                if self.step % t.val_every == 0 or self.step == t.max_steps:
-                    record["val_loss"] = self.validation_loss()
-                if t.sample_every and (self.step % t.sample_every == 0 or self.step == t.max_steps):
-                    record["samples"] = self.write_samples()
-                if self.step % t.log_every == 0 or "val_loss" in record or "samples" in record:
-                    self.log(record)
-                bar.set_postfix(
-                    loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mem=bar_text(record)
-                )
-                bar.update(1)
-                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
-                    self.save()
+                with self.side_work():
+                    if self.step % t.val_every == 0 or self.step == t.max_steps:
+                        record["val_loss"] = self.validation_loss()
+                    if t.sample_every and (self.step % t.sample_every == 0 or self.step == t.max_steps):
+                        record["samples"] = self.write_samples()
+                    if self.step % t.log_every == 0 or "val_loss" in record or "samples" in record:
+                        self.log(record)
+                    bar.set_postfix(
+                        loss=f"{metrics['loss']:.4f}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                        mem=bar_text(record),
+                    )
+                    bar.update(1)
+                    if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                        self.save()
         finally:
             bar.close()
             if hasattr(batches, "close"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from dit.config import Config
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, resolve_fsdp_mode
 from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
+from dynamic_cp.runtime.timeouts import nccl_flight_recorder_env, startup_timeout
 
 
 def trainer_class(cfg: Config, world: dist.ProcessGroup) -> type[DistributedTrainer]:
@@ -65,6 +65,29 @@ def train_distributed(
     return trainer
 
 
+def init_world(backend: str, timeout) -> None:
+    """``init_process_group`` from torchrun's environment, on a fresh key space for each restart.
+
+    torchrun (c10d rendezvous) keeps one store for all attempts of a job, and the workers' keys
+    carry no attempt number: the ranks of a restarted attempt would read the addresses the dead
+    attempt published (gloo: "connectFullMesh failed ... Connection refused"). Prefixing the keys
+    with TORCHELASTIC_RESTART_COUNT gives every attempt its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
 def run_distributed(cfg: Config, resume: str | None = None) -> None:
     """Entry point of ``train.py`` for parallel.mode != 'none': one process per rank, from torchrun."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -74,6 +97,7 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
         )
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        nccl_flight_recorder_env(cfg.output_dir)  # before the process group reads the environment
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -82,7 +106,8 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
         backend = "gloo"
         # Several ranks share the cores of one machine; oversubscribed threads only slow gloo down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    # start-up's timeout; DistributedTrainer shortens it to parallel.timeout_s after the first step
+    init_world(backend, startup_timeout(cfg.parallel.timeout_s))
     try:
         train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
     finally:
