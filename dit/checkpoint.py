@@ -66,13 +66,37 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    root: Path, step: int, model, ema_model, trainer_state: dict, config: dict, keep: int
+    root: Path,
+    step: int,
+    model,
+    ema_model,
+    trainer_state: dict,
+    config: dict,
+    keep: int,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` under ``root`` (output_dir/checkpoints) and prune to ``keep`` newest."""
+    """Write checkpoint ``step`` under ``root`` (output_dir/checkpoints) and prune to ``keep`` newest.
+    ``extra_files``: more {name: text} files for the folder."""
     tmp = begin_checkpoint(root, step)
     with stop_on_full_disk(tmp, lambda: nbytes(model) + nbytes(ema_model) + nbytes(trainer_state)):
         write_checkpoint_files(tmp, step, model, ema_model, trainer_state, config)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return commit_checkpoint(root, step, keep)
+
+
+def export_pretrained(config, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """save_pretrained of full weights without a second full model in memory: the module is built
+    on the meta device and its tensors are the given ones (gathered shards, or a staged copy)."""
+    from dit.model import VideoDiT
+
+    with torch.device("meta"):
+        model = VideoDiT.from_config(config)
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, t in model.state_dict().items() if t.is_meta]
+    if missing:
+        raise RuntimeError(f"export lacks tensors {missing[:5]}")
+    model.save_pretrained(directory)
 
 
 def begin_checkpoint(root: Path, step: int) -> Path:
@@ -89,7 +113,8 @@ def write_checkpoint_files(tmp: Path, step: int, model, ema_model, trainer_state
     model.save_pretrained(tmp / "model")
     if ema_model is not None:
         ema_model.save_pretrained(tmp / "ema")
-    save_trainer_state(tmp / "trainer.pt", {**trainer_state, "step": step, "rng": rng_state()})
+    # a state staged for a background write brings the RNG states of its step; else they are now's
+    save_trainer_state(tmp / "trainer.pt", {"rng": rng_state(), **trainer_state, "step": step})
     (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 

@@ -109,6 +109,11 @@ class Trainer:
             compile_blocks(self.model)
         self.step = 0
         self.bad_steps = 0
+        self._background = None
+        if cfg.train.async_checkpoint and not self.lora:  # LoRA checkpoints are the adapters: small
+            from dit.async_checkpoint import BackgroundCheckpointer
+
+            self._background = BackgroundCheckpointer()
         self._val_clips: list[list[TrainClip]] | None = None
         if resume is not None:
             self._resume(resume)
@@ -189,15 +194,16 @@ class Trainer:
             model, ema = LoraFiles(self.model), LoraFiles(self.model, self.ema.state) if self.ema else None
         else:
             model, ema = self.model, self.ema.model if self.ema else None
-        return save_checkpoint(
-            self.out / "checkpoints",
-            self.step,
-            model,
-            ema,
-            state,
-            to_dict(self.cfg),
-            self.cfg.train.keep_checkpoints,
-        )
+        args = (self.out / "checkpoints", self.step, model, ema, state, to_dict(self.cfg))
+        keep, extra = self.cfg.train.keep_checkpoints, self.checkpoint_extras()
+        if self._background is not None:  # staged now, written by a thread; check() reports failures
+            self._background.save(*args, keep, extra)
+            return self.out / "checkpoints" / f"step_{self.step:06d}"
+        return save_checkpoint(*args, keep, extra)
+
+    def checkpoint_extras(self) -> dict[str, str]:
+        """More text files for the checkpoint folder, {name: text} (the runtime's learned costs)."""
+        return {}
 
     def _truncate_metrics(self, step: int) -> None:
         """A resumed run rewrites history after its checkpoint, so the log reads like one clean run."""
@@ -401,6 +407,8 @@ class Trainer:
         )
         try:
             while self.step < t.max_steps:
+                if self._background is not None:
+                    self._background.check()  # the last background save failed: stop here, say why
                 reset_peak(self.device)
                 started = time.perf_counter()
                 metrics, lengths = self.run_step(next(batches))
@@ -434,6 +442,8 @@ class Trainer:
                     bar.update(1)
                     if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                         self.save()
+            if self._background is not None:
+                self._background.wait()  # the final checkpoint is on disk when train() returns
         finally:
             bar.close()
             if hasattr(batches, "close"):

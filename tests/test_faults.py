@@ -156,3 +156,75 @@ def test_keep_checkpoints_below_2_warns(tmp_path, capsys):
 
     Trainer(load_config(TINY, over), device=torch.device("cpu"))
     assert "warning: train.keep_checkpoints=1" in capsys.readouterr().out
+
+
+def _trainer_state(step_dir: Path) -> dict:
+    return torch.load(step_dir / "trainer.pt", weights_only=True)
+
+
+def test_async_checkpoints_equal_sync_ones(reference, tmp_path, monkeypatch):
+    """Staged at the step, written by a thread while training goes on: the same files as a
+    synchronous save (weights, EMA, optimizer, RNG of the step, not of the writer's moment). The
+    writer of step 2 is held until step 3's optimizer step has changed the live weights."""
+    import threading
+
+    from dit.trainer import Trainer
+
+    stepped = threading.Event()
+    finish, real = Trainer.finish_step, safetensors.torch.save_file
+
+    def finish_step(self, loss):
+        out = finish(self, loss)
+        if self.step == 2:  # step 3 (self.step counts finished steps)
+            stepped.set()
+        return out
+
+    def held_writer(tensors, filename, metadata=None):
+        if "step_000002" in str(filename):
+            assert stepped.wait(timeout=120)
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(Trainer, "finish_step", finish_step)
+    monkeypatch.setattr(safetensors.torch, "save_file", held_writer)
+    over = tiny_overrides(tmp_path, **STEPS, **{"train.async_checkpoint": "true"})
+    assert train.main(["--config", TINY, *over]) == 0
+    assert _losses(tmp_path / "run") == _losses(reference)
+    for step in (2, 4):
+        want, got = (run / "checkpoints" / f"step_{step:06d}" for run in (reference, tmp_path / "run"))
+        for sub in ("model", "ema"):
+            a = safetensors.torch.load_file(want / sub / "diffusion_pytorch_model.safetensors")
+            b = safetensors.torch.load_file(got / sub / "diffusion_pytorch_model.safetensors")
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        a, b = _trainer_state(want), _trainer_state(got)
+        assert a["step"] == b["step"] == step
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+        assert all(
+            torch.equal(a["optimizer"]["state"][k]["exp_avg_sq"], b["optimizer"]["state"][k]["exp_avg_sq"])
+            for k in a["optimizer"]["state"]
+        )
+
+
+def test_failed_async_save_stops_the_run_and_resume_auto_continues(reference, tmp_path, capsys, monkeypatch):
+    real = safetensors.torch.save_file
+    calls = []
+
+    def fills_the_disk(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 3:  # step 2's model/, in the writer thread
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_the_disk)
+    over = tiny_overrides(tmp_path, **STEPS, **{"train.async_checkpoint": "true"})
+    capsys.readouterr()
+    assert train.main(["--config", TINY, *over]) == 2  # at the next step, or at the end at the latest
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "disk full while saving checkpoint step_000002" in err[0], err
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not (ckpts / "step_000002.tmp").exists() and (ckpts / "step_000001").is_dir()
+    assert not (ckpts / "step_000004").exists()  # stopped before the end
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert train.main(["--config", TINY, *over, "--resume", "auto"]) == 0
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1, 2, 3, 4]
+    assert _losses(tmp_path / "run") == _losses(reference)

@@ -146,6 +146,9 @@ class DistributedTrainer(Trainer):
             **optimizer_kwargs(self.cfg.train),
         )
 
+    def checkpoint_extras(self) -> dict[str, str]:
+        return {STATE_FILE: json.dumps(self.learner.state_dict())}
+
     def save(self):
         sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
         if sharded:
@@ -154,8 +157,7 @@ class DistributedTrainer(Trainer):
             # Replicas are identical (and the moments gathered), so rank 0's state is everyone's.
             if not self.is_main:
                 return None
-            step_dir = super().save()
-            (step_dir / STATE_FILE).write_text(json.dumps(self.learner.state_dict()))
+            step_dir = super().save()  # with the learner's state (checkpoint_extras)
             self.learner.save(self.out, self.step)
             return step_dir
         finally:

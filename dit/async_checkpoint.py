@@ -1,0 +1,98 @@
+"""Checkpoints written in the background (``train.async_checkpoint``), for replicated weights.
+
+Training blocks only while the checkpoint is *staged*: weights, EMA and optimizer state copied to
+CPU memory (a memcpy), and the RNG states read. A thread then serializes the staged copy through
+the same ``save_checkpoint`` as a synchronous save (``step_X.tmp``, then rename), so a crash during
+the background write leaves the previous checkpoint whole and a ``.tmp`` folder that resume skips.
+
+One save is in flight at a time: the next save, and the end of the run, wait for it. A failed
+background save (a full disk, say) is raised at the next step by ``check``, not lost in the thread.
+The staged copy costs host memory: the bytes of everything the checkpoint holds (``nbytes``).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from data.cli import RunStopped
+from dit.checkpoint import export_pretrained, nbytes, rng_state, save_checkpoint
+
+
+def stage(obj):
+    """A CPU copy of ``obj`` (a tensor, or dicts and lists of them and plain values) that later
+    training steps cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: stage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(stage(v) for v in obj)
+    return obj
+
+
+class StagedModel:
+    """What ``save_checkpoint`` calls ``save_pretrained`` on: a staged state dict of a VideoDiT."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.config = model.config
+        self.state = stage(model.state_dict())
+
+    def save_pretrained(self, directory: Path) -> None:
+        export_pretrained(self.config, self.state, directory)
+
+
+class BackgroundCheckpointer:
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._step = 0
+        self.staged_bytes = 0  # host memory the last staged checkpoint holds
+
+    def save(
+        self,
+        root: Path,
+        step: int,
+        model,
+        ema_model,
+        trainer_state: dict,
+        config: dict,
+        keep: int,
+        extra_files: dict[str, str] | None = None,
+    ) -> None:
+        """Stage now, write in the background. Waits for the previous save first."""
+        self.wait()
+        staged = (StagedModel(model), StagedModel(ema_model) if ema_model is not None else None)
+        state = {**stage(trainer_state), "rng": rng_state()}  # this step's RNG, not the writer's
+        self.staged_bytes = sum(nbytes(m.state) for m in staged if m is not None) + nbytes(state)
+        self._step = step
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(root, step, *staged, state, config, keep, extra_files),
+            name="checkpoint-writer",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _write(self, root, step, model, ema_model, state, config, keep, extra_files) -> None:
+        try:
+            save_checkpoint(root, step, model, ema_model, state, config, keep, extra_files)
+        except BaseException as err:  # raised in the training thread by check()
+            self._error = err
+
+    def check(self) -> None:
+        """Raise the failure of the last background save, if it failed (called at every step)."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, RunStopped):
+                raise err
+            raise RunStopped(f"the background save of checkpoint step {self._step} failed: {err}") from err
+
+    def wait(self) -> None:
+        """Block until the save in flight is on disk; raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
