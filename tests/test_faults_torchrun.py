@@ -29,6 +29,8 @@ import torch
 from conftest import tiny_overrides
 from safetensors.torch import load_file
 
+from dynamic_cp.runtime.testing import torchrun_workers
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 PARALLEL = {
@@ -58,18 +60,6 @@ def _torchrun(run_dir: Path, extra: list[str], max_restarts: int = 0) -> subproc
     )
 
 
-def _workers(agent: int) -> dict[int, int]:
-    """{rank: pid} of torchrun's worker processes (its children)."""
-    found = {}
-    for task in Path(f"/proc/{agent}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
-            if ranks:
-                found[int(ranks[0])] = int(pid)
-    return found
-
-
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "step_000006" / "model" / "diffusion_pytorch_model.safetensors")
 
@@ -85,7 +75,7 @@ def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(tmp_path):
     deadline = time.time() + 600
     while not first.is_dir() and killed.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    victim = _workers(killed.pid)[1]
+    victim = torchrun_workers(killed.pid)[1]
     os.kill(victim, signal.SIGKILL)
     out, _ = killed.communicate(timeout=600)
     assert killed.returncode == 0, out[-3000:]
