@@ -1,17 +1,22 @@
-"""How long a checkpoint save blocks training: synchronous against ``train.async_checkpoint``.
+"""How long checkpoint saves stall training: synchronous against ``train.async_checkpoint``.
 
-    PYTHONPATH=$PWD python bench/bench_checkpoint.py               # 79M parameters: 316 MB of weights
-    PYTHONPATH=$PWD python bench/bench_checkpoint.py --repeats 5
+    PYTHONPATH=$PWD python bench/bench_checkpoint.py                # 82M parameters: 329 MB of weights
+    PYTHONPATH=$PWD python bench/bench_checkpoint.py --steps 8
 
-The checkpoint is what ``Trainer.save`` writes for a replicated run: weights and EMA weights
-(safetensors) and trainer.pt with AdamW's two moments, i.e. 4 x the weights. Synchronous: training
-waits for ``save_checkpoint`` to return. Async: training waits only for ``BackgroundCheckpointer.save``
-to stage the state in CPU memory and start its writer thread; the write itself is timed too (until
-``wait`` returns) to show it is the same work moved out of the way. The first async save, which
-allocates the staging buffers, is reported apart. The two kinds alternate, and
-the medians of ``--repeats`` saves of each are compared in this one process. Extra host memory of
-async: the staged copy (bytes of every tensor saved) and the resident-set growth while it is held.
-A benchmark, not a test: nothing here asserts a timing.
+Two short runs of ``Trainer`` in this process, the same model and data, a checkpoint after every
+step (weights and EMA as safetensors, AdamW's moments in trainer.pt: 4 x the weights):
+
+- sync: training waits in ``Trainer.save`` until the checkpoint is on disk;
+- async: training waits in ``Trainer.save`` (references and RNG states only) and, at the next
+  optimizer step, in ``wait_staged`` until the background thread has copied the state to CPU
+  buffers; the thread writes while training goes on. The wait for the last write at the end of the
+  run is reported apart (it stalls no step).
+
+Reported: seconds a save stalls training (median over the saves), the ratio sync / async, the
+steps' own seconds for scale, and the host memory async adds: the staged copy (bytes of every
+tensor saved), held from the first save to the end of the run. Both runs share this machine's
+load, so only the ratio of one invocation means anything. A benchmark, not a test: nothing here
+asserts a timing.
 """
 
 from __future__ import annotations
@@ -28,73 +33,78 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from dit.async_checkpoint import BackgroundCheckpointer  # noqa: E402
-from dit.checkpoint import nbytes, save_checkpoint  # noqa: E402
-from dit.ema import EMA  # noqa: E402
-from dit.model import VideoDiT  # noqa: E402
-from dit.sizes import model_kwargs  # noqa: E402
+from dit.config import load_config  # noqa: E402
+from dit.trainer import Trainer  # noqa: E402
 
-# 12 blocks of 640 wide (10 heads x 64), FFN 2560: 79M parameters, 316 MB of fp32 weights
-WIDTHS = {"num_layers": 12, "num_attention_heads": 10, "attention_head_dim": 64, "ffn_dim": 2560}
+# 12 blocks of 640 wide (10 heads x 64), FFN 2560: 82M parameters, 329 MB of fp32 weights
+MODEL = "{num_layers: 12, num_attention_heads: 10, attention_head_dim: 64, ffn_dim: 2560}"
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def timed(obj, name: str, seconds: list[float]) -> None:
+    """Record the seconds of every call of ``obj.name`` into ``seconds``."""
+    method = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)
+
+
+def run(out: Path, steps: int, async_save: bool) -> dict:
+    overrides = [
+        f"output_dir={out}", f"model.overrides={MODEL}", "data.num_clips=32", "data.num_val_clips=1",
+        "data.frame_counts=[1]", "data.resolutions=[[16, 16]]", "train.global_batch_size=2",
+        f"train.max_steps={steps}", "train.checkpoint_every=1", "train.keep_checkpoints=2",
+        "train.val_every=1000", "train.log_every=1", "train.warmup_steps=1", "flow.val_sigmas=[0.5]",
+        f"train.async_checkpoint={str(async_save).lower()}",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(str(ROOT / "configs" / "tiny.yaml"), overrides), device=torch.device("cpu"))
+    save_s, staged_s, step_s, end_s = [], [], [], []
+    timed(trainer, "save", save_s)
+    timed(trainer, "run_step", step_s)
+    if async_save:
+        timed(trainer._background, "wait_staged", staged_s)
+        timed(trainer._background, "wait", end_s)
+    trainer.train()
+    # the saves of steps 1..N-1: each stalls in save() and, with async, at the next optimizer step
+    stalls = [save_s[i] + (staged_s[i + 1] if async_save else 0.0) for i in range(steps - 1)]
+    return {
+        "stall": stalls,
+        "in_save": save_s[: steps - 1],
+        "in_wait_staged": staged_s[1:steps],
+        "step": step_s,
+        "end": end_s[-1] if end_s else 0.0,
+        "staged": trainer._background.staged_bytes if async_save else 0,
+        "weights": sum(p.numel() * p.element_size() for p in trainer.model.parameters()),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="saves of each kind (median)")
+    parser.add_argument("--steps", type=int, default=5, help="steps (and saves) of each run")
     args = parser.parse_args()
-
-    torch.manual_seed(0)
-    model = VideoDiT(**model_kwargs("tiny", WIDTHS))
-    ema = EMA(model, 0.99)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():  # one step, so that AdamW holds its two moments
-        p.grad = torch.randn_like(p)
-    optimizer.step()
-    state = {"optimizer": optimizer.state_dict(), "lr_schedule": {}, "bad_steps": 0}
-    weights = nbytes(model)
-    total = weights + nbytes(ema.model) + nbytes(state)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"{weights / 1e6:.0f} MB of weights; a checkpoint holds {total / 1e6:.0f} MB of tensors")  # fmt: skip
-
-    sync_s, async_block_s, async_write_s, staged = [], [], [], 0
-    writer = BackgroundCheckpointer()
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
-        root = Path(tmp) / "checkpoints"
-        # the first async save allocates its staging buffers (fresh pages); later ones copy into them
-        before = rss_bytes()
-        t0 = time.perf_counter()
-        writer.save(root, 0, model, ema.model, state, {}, keep=2)
-        first_block = time.perf_counter() - t0
-        rss_growth = rss_bytes() - before
-        writer.wait()
-        for i in range(args.repeats):
-            t0 = time.perf_counter()
-            save_checkpoint(root, 2 * i + 1, model, ema.model, state, {}, keep=2)
-            sync_s.append(time.perf_counter() - t0)
-
-            t0 = time.perf_counter()
-            writer.save(root, 2 * i + 2, model, ema.model, state, {}, keep=2)
-            async_block_s.append(time.perf_counter() - t0)
-            staged = writer.staged_bytes
-            writer.wait()
-            async_write_s.append(time.perf_counter() - t0)
-
-    sync, block, write = (statistics.median(x) for x in (sync_s, async_block_s, async_write_s))
-    print(f"{'':28s}{'median s':>10s}   all (s)")
-    print(f"{'sync save (blocks)':28s}{sync:10.3f}   {', '.join(f'{x:.3f}' for x in sync_s)}")
-    print(f"{'async: blocks training':28s}{block:10.3f}   {', '.join(f'{x:.3f}' for x in async_block_s)}")
-    print(f"{'async: until on disk':28s}{write:10.3f}   {', '.join(f'{x:.3f}' for x in async_write_s)}")
-    print(f"{'async: first save (allocates)':28s}{first_block:10.3f}")
-    print(f"async blocks {sync / block:.1f}x less than sync (after the first save)")
-    print(f"extra host memory of async: {staged / 1e6:.0f} MB staged ({staged / weights:.1f}x the weights); "
-          f"resident set grew by {rss_growth / 1e6:.0f} MB at the first save, and stays so (buffers are reused)")  # fmt: skip
+        sync = run(Path(tmp) / "sync", args.steps, async_save=False)
+        asyn = run(Path(tmp) / "async", args.steps, async_save=True)
+    weights = sync["weights"]
+    print(f"model: {weights / 4e6:.1f}M parameters, {weights / 1e6:.0f} MB of weights; "
+          f"{args.steps} steps, a checkpoint after each")  # fmt: skip
+    print(f"{'':30s}{'median s':>9s}   per save (s)")
+    for name, r in (("sync: a save stalls training", sync), ("async: a save stalls training", asyn)):
+        print(f"{name:30s}{statistics.median(r['stall']):9.3f}   {', '.join(f'{x:.3f}' for x in r['stall'])}")
+    for name in ("in_save", "in_wait_staged"):
+        print(f"{'  async, of which ' + name:30s}{statistics.median(asyn[name]):9.3f}   "
+              f"{', '.join(f'{x:.3f}' for x in asyn[name])}")  # fmt: skip
+    print(f"{'a step (forward, backward, AdamW)':30s}{statistics.median(sync['step']):9.3f}")
+    ratio = statistics.median(sync["stall"]) / max(statistics.median(asyn["stall"]), 1e-9)
+    print(f"async stalls training {ratio:.1f}x less than sync; its last write took {asyn['end']:.3f} s more "
+          "at the end of the run")  # fmt: skip
+    print(f"extra host memory of async: {asyn['staged'] / 1e6:.0f} MB staged ({asyn['staged'] / weights:.1f}x "
+          "the weights), held from the first save on")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -133,7 +133,11 @@ def main() -> int:
         out, _ = job.communicate()
         chaos_s = time.perf_counter() - started
 
-        resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
+        # how each attempt began (rank 0 says it once): resumed at a step, or fresh (step 0)
+        starts = re.findall(
+            r"resumed from \S+ at step (\d+)|no whole checkpoint in \S+; (starting) fresh", out
+        )
+        resumed = [int(step) if step else 0 for step, _ in starts][1:]  # [0]: the first launch
         recomputed = [max(0, last - r) for (_, _, last), r in zip(kills, resumed)]
         steps = [r["step"] for r in rows(chaos) if "loss" in r]
         want = {r["step"]: r["loss"] for r in rows(whole) if "loss" in r}

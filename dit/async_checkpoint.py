@@ -1,9 +1,12 @@
 """Checkpoints written in the background (``train.async_checkpoint``), for replicated weights.
 
-Training blocks only while the checkpoint is *staged*: weights, EMA and optimizer state copied to
-CPU memory (a memcpy into buffers kept from the previous save), and the RNG states read. A thread then serializes the staged copy through
-the same ``save_checkpoint`` as a synchronous save (``step_X.tmp``, then rename), so a crash during
-the background write leaves the previous checkpoint whole and a ``.tmp`` folder that resume skips.
+At the save, training only reads the RNG states and takes references to the live tensors. A thread
+then *stages* them (copies weights, EMA and optimizer state into CPU buffers kept from the previous
+save) and serializes the copy through the same ``save_checkpoint`` as a synchronous save
+(``step_X.tmp``, then rename). Those tensors change only in the optimizer step, so the copy runs
+while the next step's forward and backward do, and training waits for it (``wait_staged``) only if
+it is not done by that step's optimizer update. A crash during the background write leaves the
+previous checkpoint whole and a ``.tmp`` folder that resume skips.
 
 One save is in flight at a time: the next save, and the end of the run, wait for it. A failed
 background save (a full disk, say) is raised at the next step by ``check``, not lost in the thread.
@@ -42,9 +45,8 @@ def stage(obj, buffers: dict | None = None, path: str = ""):
 class StagedModel:
     """What ``save_checkpoint`` calls ``save_pretrained`` on: a staged state dict of a VideoDiT."""
 
-    def __init__(self, model: torch.nn.Module, buffers: dict | None = None, path: str = ""):
-        self.config = model.config
-        self.state = stage(model.state_dict(), buffers, path)
+    def __init__(self, config, state: dict[str, torch.Tensor]):
+        self.config, self.state = config, state
 
     def save_pretrained(self, directory: Path) -> None:
         export_pretrained(self.config, self.state, directory)
@@ -53,9 +55,10 @@ class StagedModel:
 class BackgroundCheckpointer:
     def __init__(self):
         self._thread: threading.Thread | None = None
+        self._staged = threading.Event()
         self._error: BaseException | None = None
         self._step = 0
-        self.staged_bytes = 0  # host memory the last staged checkpoint holds
+        self.staged_bytes = 0  # host memory the staged checkpoint holds
         self._buffers: dict[str, torch.Tensor] = {}  # the staging copies, reused by the next save
 
     def save(
@@ -69,32 +72,42 @@ class BackgroundCheckpointer:
         keep: int,
         extra_files: dict[str, str] | None = None,
     ) -> None:
-        """Stage now, write in the background. Waits for the previous save first."""
+        """Take references to what the checkpoint holds, and this step's RNG states; a thread copies
+        and writes them. Waits for the previous save first."""
         self.wait()
-        buffers = self._buffers  # free to reuse: the write that read them is done (wait above)
-        staged = (
-            StagedModel(model, buffers, "model"),
-            StagedModel(ema_model, buffers, "ema") if ema_model is not None else None,
-        )
-        state = {
-            **stage(trainer_state, buffers, "trainer"),
-            "rng": rng_state(),
-        }  # this step's RNG, not the writer's
-        self.staged_bytes = sum(nbytes(m.state) for m in staged if m is not None) + nbytes(state)
+        live = {"model": model.state_dict(), "trainer": trainer_state}
+        if ema_model is not None:
+            live["ema"] = ema_model.state_dict()
+        configs = (model.config, ema_model.config if ema_model is not None else None)
         self._step = step
+        self._staged.clear()
         self._thread = threading.Thread(
-            target=self._write,
-            args=(root, step, *staged, state, config, keep, extra_files),
+            target=self._stage_and_write,
+            args=(root, step, live, configs, rng_state(), config, keep, extra_files),
             name="checkpoint-writer",
             daemon=True,
         )
         self._thread.start()
 
-    def _write(self, root, step, model, ema_model, state, config, keep, extra_files) -> None:
+    def _stage_and_write(self, root, step, live, configs, rng, config, keep, extra_files) -> None:
         try:
-            save_checkpoint(root, step, model, ema_model, state, config, keep, extra_files)
+            try:
+                staged = stage(live, self._buffers)  # the buffers are free: the previous write is done
+                self.staged_bytes = nbytes(staged)
+            finally:
+                self._staged.set()  # a failed copy must not leave training waiting
+            model = StagedModel(configs[0], staged["model"])
+            ema = StagedModel(configs[1], staged["ema"]) if "ema" in staged else None
+            state = {**staged["trainer"], "rng": rng}  # the RNG of the saved step, not of the writer's moment
+            save_checkpoint(root, step, model, ema, state, config, keep, extra_files)
         except BaseException as err:  # raised in the training thread by check()
             self._error = err
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied what it saves: before anything changes it (the
+        optimizer step, the EMA update)."""
+        if self._thread is not None:
+            self._staged.wait()
 
     def check(self) -> None:
         """Raise the failure of the last background save, if it failed (called at every step)."""

@@ -161,7 +161,8 @@ class Trainer:
         self.bad_steps = state["bad_steps"]
         set_rng_state(state["rng"])
         self._truncate_metrics(self.step)
-        print(f"resumed from {step_dir} at step {self.step}")
+        if self.is_main:  # one line per job, not one per rank
+            print(f"resumed from {step_dir} at step {self.step}")
 
     def _resume_lora(self, step_dir: Path) -> None:
         from dit.lora import adapter_values
@@ -279,6 +280,8 @@ class Trainer:
 
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
+        if self._background is not None:  # a background save still copying the weights it saves
+            self._background.wait_staged()
         clip = self.cfg.train.grad_clip
         grad_norm = self.clip_gradients(clip if clip > 0 else math.inf)
         if not (math.isfinite(loss) and torch.isfinite(grad_norm)):
