@@ -87,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="steps (and saves) of each run")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         sync = run(Path(tmp) / "sync", args.steps, async_save=False)
         asyn = run(Path(tmp) / "async", args.steps, async_save=True)
     weights = sync["weights"]

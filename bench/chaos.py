@@ -105,7 +105,7 @@ def main() -> int:
     import torch
 
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         whole, chaos = Path(tmp) / "whole", Path(tmp) / "chaos"
         started = time.perf_counter()
         ref = launch(whole, args, restarts=0)

@@ -228,3 +228,23 @@ def test_failed_async_save_stops_the_run_and_resume_auto_continues(reference, tm
     assert train.main(["--config", TINY, *over, "--resume", "auto"]) == 0
     assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1, 2, 3, 4]
     assert _losses(tmp_path / "run") == _losses(reference)
+
+
+def test_resume_auto_before_any_checkpoint_starts_fresh_and_drops_the_dead_runs_lines(tmp_path, capsys):
+    """A run killed before its first checkpoint left metrics.jsonl only: ``--resume auto`` is not
+    refused ("already holds a run"), starts at step 0 and drops those lines (they would repeat)."""
+    from dit.config import load_config
+
+    cfg = load_config(TINY, tiny_overrides(tmp_path))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "val_loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"ste')
+    (run / "checkpoints" / "step_000002.tmp").mkdir(parents=True)  # killed during its first save
+    assert train.resolve_resume(cfg, "auto", overwrite=False) is None
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "starting fresh" in out, out
+    assert (run / "metrics.jsonl").read_text() == ""
+    with pytest.raises(ValueError, match="drop one of the two"):
+        train.resolve_resume(cfg, "auto", overwrite=True)
+    with pytest.raises(ValueError, match="already holds a run"):  # no resume: refused as before
+        train.resolve_resume(cfg, None, overwrite=False)
