@@ -37,19 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import tiny_overrides  # noqa: E402
+
 from dynamic_cp.runtime.testing import torchrun_workers  # noqa: E402
 
-TINY_JOB = {
-    "model.overrides": "{num_layers: 2, ffn_dim: 128}",
-    "data.num_clips": 64,
-    "data.num_val_clips": 2,
-    "data.frame_counts": "[1, 3]",
-    "data.resolutions": "[[8, 8], [8, 12]]",
-    "train.global_batch_size": 4,
-    "train.micro_batch_tokens": 64,
-    "train.log_every": 1,
+# the tests' tiny job (tests/conftest.py), on the Dynamic-CP runtime with replicated weights
+PARALLEL = {
     "train.val_every": 1000,
-    "train.warmup_steps": 1,
     "parallel.mode": "dynamic",
     "parallel.fsdp": "none",
     "parallel.hardware": "h100",  # fixed prices, no refit: every attempt plans the same steps
@@ -58,12 +53,12 @@ TINY_JOB = {
 
 
 def launch(out: Path, args, restarts: int) -> subprocess.Popen:
-    over = {**TINY_JOB, "output_dir": str(out), "train.max_steps": args.steps,
-            "train.checkpoint_every": args.checkpoint_every}  # fmt: skip
+    over = tiny_overrides(out.parent, **PARALLEL, **{"output_dir": str(out), "train.max_steps": args.steps,
+                          "train.checkpoint_every": args.checkpoint_every})  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
         f"--max-restarts={restarts}", "train.py", "--config", "configs/tiny.yaml",
-        *(f"{k}={v}" for k, v in over.items()), "--resume", "auto",
+        *over, "--resume", "auto",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
