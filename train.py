@@ -101,7 +101,7 @@ def resolve_resume(cfg, resume_arg: str | None, overwrite: bool) -> str | None:
     resume_arg = resume_arg if resume_arg is not None else cfg.train.resume
     if resume_arg != "auto":
         prepare_output_dir(cfg.output_dir, resume_arg, overwrite, is_main)
-        return None if resume_arg is None else str(resolve_checkpoint(resume_arg, report))
+        return None if resume_arg is None else str(resolve_checkpoint(resume_arg, report, whole=True))
     prepare_output_dir(cfg.output_dir, cfg.output_dir, overwrite, is_main)
     step_dir = find_resume_checkpoint(cfg.output_dir, report)
     if step_dir is None:

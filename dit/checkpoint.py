@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from data.cli import RunStopped
-from dit.checkpoint_whole import checkpoint_problem, newest_whole_checkpoint, step_dirs
+from dit.checkpoint_whole import newest_whole_checkpoint, step_dirs
 
 LATEST = "latest"
 
@@ -206,34 +206,32 @@ def commit_checkpoint(root: Path, step: int, keep: int) -> Path:
     return final
 
 
-def resolve_checkpoint(path: str | Path, report: Callable[[str], None] = print) -> Path:
+def resolve_checkpoint(path: str | Path, report: Callable[[str], None] = print, whole: bool = False) -> Path:
     """A run directory, its checkpoints/ directory or one step directory -> the step directory.
 
-    For a run (or its checkpoints/), the newest whole checkpoint: newer ones that are not whole
-    (``dit/checkpoint_whole.py``) are reported through ``report`` and skipped. A step directory
-    named explicitly must be whole itself."""
+    A step directory named explicitly is taken as it is (its loaders say what is wrong with it). For
+    a run (or its checkpoints/): with ``whole`` (resuming), its newest whole checkpoint, newer ones
+    that are not whole (``dit/checkpoint_whole.py``) reported through ``report`` and skipped;
+    otherwise (sampling, export) the one ``checkpoints/latest`` names."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint path {path} does not exist; pass a run directory or a step_* directory")
-    if (path / "trainer.pt").is_file():
-        problem = checkpoint_problem(path)
-        if problem:
-            raise ValueError(
-                f"checkpoint {path} is not whole: {problem}; resume from another step_* directory"
-            )
-        return path
-    if (path / "model").is_dir():  # weights alone, exported or copied: sample.py reads them
+    if (path / "trainer.pt").is_file() or (path / "model").is_dir():
+        if path.name.endswith(".tmp"):
+            raise ValueError(f"{path} was left by a save that did not finish; resume from a step_* directory")
         return path
     for candidate in (path / "checkpoints", path):
-        if candidate.is_dir() and any(step_dirs(candidate)):
+        if whole and candidate.is_dir() and any(step_dirs(candidate)):
             found = newest_whole_checkpoint(candidate, report)
             if found is None:
                 raise ValueError(
                     f"{candidate} holds no whole checkpoint (see the lines above); start a new run"
                 )
             return found
+        if (candidate / LATEST).is_file():
+            return candidate / (candidate / LATEST).read_text().strip()
     raise ValueError(
-        f"{path} holds no checkpoint (no checkpoints/step_* or trainer.pt); "
+        f"{path} holds no checkpoint (no checkpoints/latest, trainer.pt or model/); "
         "pass the output_dir of a run that saved one"
     )
 
