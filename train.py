@@ -1,6 +1,7 @@
 """Train a video DiT.
 
-    python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [PATH] | --overwrite]
+    python train.py --config configs/tiny.yaml [section.key=value ...] [--resume [auto|PATH] | --overwrite]
+    torchrun --max-restarts=3 --nproc_per_node=8 train.py --config my.yaml --resume auto   # restartable
     python train.py --config configs/wan-14b-finetune.yaml --dry-run     # check it, train nothing
     python train.py --config configs/tiny.yaml train.lr=1e-3 --print-config > my.yaml
 
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="?",
         const="auto",
         default=None,
-        help="resume from a run directory or step directory; alone, from output_dir's latest checkpoint",
+        help="'auto' (also the flag alone, or train.resume=auto): the newest whole checkpoint of output_dir, "
+        "or a fresh start when there is none; safe as the argument of every restart. A PATH: that run "
+        "directory's newest whole checkpoint, or that step directory",
     )
     parser.add_argument(
         "--overwrite",
@@ -63,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from dit.config import load_config
-    from dit.run_dir import prepare_output_dir
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
@@ -75,9 +77,7 @@ def run(args) -> int:
         from dynamic_cp.dry_run import dry_run
 
         return dry_run(cfg, args.world_size if cfg.parallel.mode != "none" else 1)
-    resume = cfg.output_dir if args.resume == "auto" else args.resume
-    # torchrun's RANK: only rank 0 moves an old run aside (the same rank that writes the new one)
-    prepare_output_dir(cfg.output_dir, resume, args.overwrite, os.environ.get("RANK", "0") == "0")
+    resume = resolve_resume(cfg, args.resume, args.overwrite)
     if cfg.parallel.mode == "none":
         from dit.trainer import Trainer
 
@@ -87,6 +87,29 @@ def run(args) -> int:
 
         run_distributed(cfg, resume=resume)
     return 0
+
+
+def resolve_resume(cfg, resume_arg: str | None, overwrite: bool) -> str | None:
+    """The step directory to resume (None: start fresh) from ``--resume`` or ``train.resume``, after
+    refusing or moving aside a used output_dir. Every rank resolves it from the same files (a
+    shared file system, as resuming needs anyway); only torchrun's rank 0 moves, drops or reports."""
+    from dit.checkpoint import find_resume_checkpoint, resolve_checkpoint
+    from dit.run_dir import drop_metrics_of_unsaved_run, prepare_output_dir
+
+    is_main = os.environ.get("RANK", "0") == "0"
+    report = print if is_main else (lambda line: None)
+    resume_arg = resume_arg if resume_arg is not None else cfg.train.resume
+    if resume_arg != "auto":
+        prepare_output_dir(cfg.output_dir, resume_arg, overwrite, is_main)
+        return None if resume_arg is None else str(resolve_checkpoint(resume_arg, report, whole=True))
+    prepare_output_dir(cfg.output_dir, cfg.output_dir, overwrite, is_main)
+    step_dir = find_resume_checkpoint(cfg.output_dir, report)
+    if step_dir is None:
+        report(f"--resume auto: no whole checkpoint in {cfg.output_dir}; starting fresh")
+        if is_main:
+            drop_metrics_of_unsaved_run(cfg.output_dir)
+        return None
+    return str(step_dir)
 
 
 if __name__ == "__main__":

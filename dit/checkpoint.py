@@ -13,16 +13,22 @@ leaves either the old or the new checkpoint, never half of one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
+
+from data.cli import RunStopped
+from dit.checkpoint_whole import newest_whole_checkpoint, step_dirs
 
 LATEST = "latest"
 
@@ -60,12 +66,37 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    root: Path, step: int, model, ema_model, trainer_state: dict, config: dict, keep: int
+    root: Path,
+    step: int,
+    model,
+    ema_model,
+    trainer_state: dict,
+    config: dict,
+    keep: int,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` under ``root`` (output_dir/checkpoints) and prune to ``keep`` newest."""
+    """Write checkpoint ``step`` under ``root`` (output_dir/checkpoints) and prune to ``keep`` newest.
+    ``extra_files``: more {name: text} files for the folder."""
     tmp = begin_checkpoint(root, step)
-    write_checkpoint_files(tmp, step, model, ema_model, trainer_state, config)
+    with stop_on_full_disk(tmp, lambda: nbytes(model) + nbytes(ema_model) + nbytes(trainer_state)):
+        write_checkpoint_files(tmp, step, model, ema_model, trainer_state, config)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return commit_checkpoint(root, step, keep)
+
+
+def export_pretrained(config, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """save_pretrained of full weights without a second full model in memory: the module is built
+    on the meta device and its tensors are the given ones (gathered shards, or a staged copy)."""
+    from dit.model import VideoDiT
+
+    with torch.device("meta"):
+        model = VideoDiT.from_config(config)
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, t in model.state_dict().items() if t.is_meta]
+    if missing:
+        raise RuntimeError(f"export lacks tensors {missing[:5]}")
+    model.save_pretrained(directory)
 
 
 def begin_checkpoint(root: Path, step: int) -> Path:
@@ -82,8 +113,84 @@ def write_checkpoint_files(tmp: Path, step: int, model, ema_model, trainer_state
     model.save_pretrained(tmp / "model")
     if ema_model is not None:
         ema_model.save_pretrained(tmp / "ema")
-    torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
+    # a state staged for a background write brings the RNG states of its step; else they are now's
+    save_trainer_state(tmp / "trainer.pt", {"rng": rng_state(), **trainer_state, "step": step})
     (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def save_trainer_state(path: Path, state: dict) -> None:
+    """``torch.save`` through a Python file: a full disk then raises OSError(ENOSPC) naming the file,
+    where torch's own writer (given a path) says only "file write failed"."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+
+
+# ----------------------------------------------------------------------------- full disk
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# safetensors (Rust) and DCP wrap the OS error in their own exceptions: their text still says it
+DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "StorageFull", "QuotaExceeded")
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Did ``err`` (or an exception it wraps) come from a full disk or an exhausted quota?"""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            return True
+        if any(text in str(err) for text in DISK_FULL_TEXT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def nbytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a module, an object with ``.model``/``.state``, or nested
+    dicts and lists): what a checkpoint of it writes, give or take headers."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, torch.nn.Module):
+        return sum(nbytes(t) for t in obj.state_dict().values())
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    state = getattr(obj, "state", None)  # dit.lora.LoraFiles: the adapters alone
+    if isinstance(state, dict):
+        return nbytes(state)
+    model = getattr(obj, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return sum(nbytes(p) for p in model.parameters() if p.requires_grad)
+    return 0
+
+
+@contextlib.contextmanager
+def stop_on_full_disk(tmp: Path, needed_bytes: Callable[[], int]):
+    """Writes into ``tmp`` that fail on a full disk (ENOSPC, EDQUOT) stop the run with one line:
+    the path, the bytes the checkpoint needs and the bytes free. The half-written ``tmp`` is
+    removed; the previous checkpoint is untouched and is the one ``--resume auto`` takes."""
+    try:
+        yield
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # frees what the half-written checkpoint took
+        free = shutil.disk_usage(tmp.parent).free
+        where = getattr(err, "filename", None) or tmp
+        previous = newest_whole_checkpoint(tmp.parent, report=lambda line: None)
+        then = (
+            f"rerun with --resume auto: it takes {previous.name}, which is whole"
+            if previous
+            else "rerun (there is no earlier checkpoint)"
+        )
+        raise RunStopped(
+            f"disk full while saving checkpoint {tmp.name.removesuffix('.tmp')} ({where}): it needs about "
+            f"{needed_bytes():,} bytes and {free:,} are free. Free space or move output_dir to a larger "
+            f"disk, then {then}"
+        ) from None
 
 
 def commit_checkpoint(root: Path, step: int, keep: int) -> Path:
@@ -99,20 +206,40 @@ def commit_checkpoint(root: Path, step: int, keep: int) -> Path:
     return final
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory, its checkpoints/ directory or one step directory -> the step directory."""
+def resolve_checkpoint(path: str | Path, report: Callable[[str], None] = print, whole: bool = False) -> Path:
+    """A run directory, its checkpoints/ directory or one step directory -> the step directory.
+
+    A step directory named explicitly is taken as it is (its loaders say what is wrong with it). For
+    a run (or its checkpoints/): with ``whole`` (resuming), its newest whole checkpoint, newer ones
+    that are not whole (``dit/checkpoint_whole.py``) reported through ``report`` and skipped;
+    otherwise (sampling, export) the one ``checkpoints/latest`` names."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint path {path} does not exist; pass a run directory or a step_* directory")
-    for candidate in (path, path / "checkpoints"):
+    if (path / "trainer.pt").is_file() or (path / "model").is_dir():
+        if path.name.endswith(".tmp"):
+            raise ValueError(f"{path} was left by a save that did not finish; resume from a step_* directory")
+        return path
+    for candidate in (path / "checkpoints", path):
+        if whole and candidate.is_dir() and any(step_dirs(candidate)):
+            found = newest_whole_checkpoint(candidate, report)
+            if found is None:
+                raise ValueError(
+                    f"{candidate} holds no whole checkpoint (see the lines above); start a new run"
+                )
+            return found
         if (candidate / LATEST).is_file():
             return candidate / (candidate / LATEST).read_text().strip()
-    if (path / "trainer.pt").is_file() or (path / "model").is_dir():
-        return path
     raise ValueError(
         f"{path} holds no checkpoint (no checkpoints/latest, trainer.pt or model/); "
         "pass the output_dir of a run that saved one"
     )
+
+
+def find_resume_checkpoint(output_dir: str | Path, report: Callable[[str], None] = print) -> Path | None:
+    """``--resume auto``: the newest whole checkpoint of ``output_dir``, or None to start fresh (no
+    checkpoint yet, or none whole). Safe as the argument of every restart of a job."""
+    return newest_whole_checkpoint(Path(output_dir) / "checkpoints", report)
 
 
 def load_trainer_state(step_dir: Path) -> dict:

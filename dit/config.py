@@ -129,7 +129,17 @@ class TrainConfig:
     log_every: int = 10  # steps between metric lines
     val_every: int = 50  # steps between validation losses
     checkpoint_every: int = 100  # steps between checkpoints
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    keep_checkpoints: int = (
+        2  # newest checkpoints kept on disk (below 2, a crash while saving can leave none)
+    )
+    # 'auto': resume the newest whole checkpoint of output_dir, or start fresh when there is none (the
+    # setting for jobs that torchrun or SLURM restart); a path: resume that run or step directory;
+    # null: a new run. train.py's --resume overrides it
+    resume: str | None = None
+    # write checkpoints in a background thread from a copy staged in CPU memory (replicated weights:
+    # parallel.fsdp=none or one process); training blocks only for the copy. Costs host memory of
+    # one checkpoint; a failed background save stops the run at the next step
+    async_checkpoint: bool = False
     max_bad_steps: int = 20  # non-finite losses in a row before the run stops
     peak_tflops: float | None = None  # accelerator peak for the MFU figure (989 for H100 bf16); None = no MFU
     report_to: list = field(default_factory=lambda: ["jsonl"])  # any of 'jsonl', 'tensorboard', 'wandb'
@@ -216,8 +226,14 @@ class ParallelConfig:
     # memory per rank (GB) that parallel.fsdp=auto plans for; None = the device's own (CUDA: the
     # GPU's; CPU: the machine's RAM over the node's ranks). Lower it to leave headroom
     memory_gb: float | None = None
+    # seconds a collective may wait before its rank stops with a line naming it (a hung or dead
+    # rank); start-up, the first step, validation, samples and checkpoints get 3x (torchtitan's
+    # 100 s / 300 s). On NCCL each rank then dumps its flight-recorder trace (docs/runtime.md)
+    timeout_s: float = 100.0
 
     def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s} must be positive (seconds, e.g. 100)")
         if self.mode not in ("none", "static", "dynamic"):
             raise ValueError(f"parallel.mode={self.mode!r}; use 'none', 'static' or 'dynamic'")
         if self.fsdp not in ("none", "per_step", "per_layer", "auto"):

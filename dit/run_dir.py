@@ -2,7 +2,9 @@
 
 A directory that holds ``metrics.jsonl`` or ``checkpoints/`` belongs to a run. Training into it is
 refused unless the new run continues it (``--resume``) or ``--overwrite`` moves the old run aside to
-a numbered sibling (``runs/tiny`` -> ``runs/tiny.old-1``). Nothing is ever deleted.
+a numbered sibling (``runs/tiny`` -> ``runs/tiny.old-1``). Nothing is ever deleted, except the
+metric lines of a run that died before its first checkpoint, when ``--resume auto`` starts it again
+from step 0 (it logs the same steps anew).
 """
 
 from __future__ import annotations
@@ -45,3 +47,14 @@ def prepare_output_dir(output_dir: str, resume: str | None, overwrite: bool, is_
     os.replace(out, aside)  # a rename: the old run stays whole, next to the new one
     print(f"moved the earlier run in {out} to {aside}")
     return aside
+
+
+def drop_metrics_of_unsaved_run(output_dir: str) -> None:
+    """``--resume auto`` found no checkpoint: the run starts again at step 0, so the lines a run that
+    died before its first checkpoint logged would appear twice. They go (atomically: temp + rename)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if path.is_file() and path.stat().st_size:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("")
+        os.replace(tmp, path)
+        print(f"dropped the metrics in {path} of the run that stopped before its first checkpoint")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
     return None
 
 
+def _step_of(line: str) -> float:
+    """The step of one metrics.jsonl line; infinity for a line cut short (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return math.inf
+
+
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
 
@@ -56,6 +65,11 @@ class Trainer:
         check_trackers_installed(cfg.train.report_to)
         check_optimizer_runs(cfg.train, self.device)
         self._tracker: Tracker | None = None
+        if cfg.train.keep_checkpoints < 2 and self.is_main:
+            print(
+                f"warning: train.keep_checkpoints={cfg.train.keep_checkpoints}: a crash while saving can "
+                "leave no whole checkpoint to resume; keep 2 or more"
+            )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         self.lora = cfg.model.lora is not None
@@ -95,6 +109,11 @@ class Trainer:
             compile_blocks(self.model)
         self.step = 0
         self.bad_steps = 0
+        self._background = None
+        if cfg.train.async_checkpoint and not self.lora:  # LoRA checkpoints are the adapters: small
+            from dit.async_checkpoint import BackgroundCheckpointer
+
+            self._background = BackgroundCheckpointer()
         self._val_clips: list[list[TrainClip]] | None = None
         if resume is not None:
             self._resume(resume)
@@ -142,7 +161,8 @@ class Trainer:
         self.bad_steps = state["bad_steps"]
         set_rng_state(state["rng"])
         self._truncate_metrics(self.step)
-        print(f"resumed from {step_dir} at step {self.step}")
+        if self.is_main:  # one line per job, not one per rank
+            print(f"resumed from {step_dir} at step {self.step}")
 
     def _resume_lora(self, step_dir: Path) -> None:
         from dit.lora import adapter_values
@@ -175,22 +195,26 @@ class Trainer:
             model, ema = LoraFiles(self.model), LoraFiles(self.model, self.ema.state) if self.ema else None
         else:
             model, ema = self.model, self.ema.model if self.ema else None
-        return save_checkpoint(
-            self.out / "checkpoints",
-            self.step,
-            model,
-            ema,
-            state,
-            to_dict(self.cfg),
-            self.cfg.train.keep_checkpoints,
-        )
+        args = (self.out / "checkpoints", self.step, model, ema, state, to_dict(self.cfg))
+        keep, extra = self.cfg.train.keep_checkpoints, self.checkpoint_extras()
+        if self._background is not None:  # staged now, written by a thread; check() reports failures
+            self._background.save(*args, keep, extra)
+            return self.out / "checkpoints" / f"step_{self.step:06d}"
+        return save_checkpoint(*args, keep, extra)
+
+    def checkpoint_extras(self) -> dict[str, str]:
+        """More text files for the checkpoint folder, {name: text} (the runtime's learned costs)."""
+        return {}
 
     def _truncate_metrics(self, step: int) -> None:
         """A resumed run rewrites history after its checkpoint, so the log reads like one clean run."""
         path = self.out / "metrics.jsonl"
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+            # a line cut by the kill (no closing brace) is dropped with the later ones
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)  # a kill while truncating leaves the old or the new log, whole
 
     @property
     def tracker(self) -> Tracker:
@@ -256,6 +280,8 @@ class Trainer:
 
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
+        if self._background is not None:  # a background save still copying the weights it saves
+            self._background.wait_staged()
         clip = self.cfg.train.grad_clip
         grad_norm = self.clip_gradients(clip if clip > 0 else math.inf)
         if not (math.isfinite(loss) and torch.isfinite(grad_norm)):
@@ -316,8 +342,8 @@ class Trainer:
     def write_samples(self) -> list[str]:
         """Validation clips of ``train.sample_prompts`` at a fixed seed -> mp4s and a PNG grid under
         ``<output_dir>/samples``; returns their paths. Only the logging rank samples: under torchrun
-        the others go on to the next step and wait in its first collective (the process group's
-        timeout, 30 minutes in ``run_distributed``, bounds how long sampling may take)."""
+        the others wait in a barrier (``side_work``; 3 x ``parallel.timeout_s`` bounds how long
+        sampling may take)."""
         if not self.is_main:
             return []
         from dit.sampling import generate, write_clips
@@ -357,6 +383,11 @@ class Trainer:
             )
         )  # fmt: skip
 
+    def side_work(self):
+        """Around what follows a step (validation, samples, logs, checkpoint): the distributed
+        runtime gives it a longer collective timeout, as rank 0 may do it alone while others wait."""
+        return contextlib.nullcontext()
+
     def run_step(self, samples: list[dict]) -> tuple[dict, list[int]]:
         """One optimizer step on a global batch from ``data_iterator``: (metrics, clip token counts)."""
         clips = self.prepare(samples, self.step)
@@ -379,6 +410,8 @@ class Trainer:
         )
         try:
             while self.step < t.max_steps:
+                if self._background is not None:
+                    self._background.check()  # the last background save failed: stop here, say why
                 reset_peak(self.device)
                 started = time.perf_counter()
                 metrics, lengths = self.run_step(next(batches))
@@ -397,18 +430,23 @@ class Trainer:
                 }
                 if t.peak_tflops:
                     record["mfu"] = record["tflops"] / (t.peak_tflops * self.world_size)
-                if self.step % t.val_every == 0 or self.step == t.max_steps:
-                    record["val_loss"] = self.validation_loss()
-                if t.sample_every and (self.step % t.sample_every == 0 or self.step == t.max_steps):
-                    record["samples"] = self.write_samples()
-                if self.step % t.log_every == 0 or "val_loss" in record or "samples" in record:
-                    self.log(record)
-                bar.set_postfix(
-                    loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mem=bar_text(record)
-                )
-                bar.update(1)
-                if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
-                    self.save()
+                with self.side_work():
+                    if self.step % t.val_every == 0 or self.step == t.max_steps:
+                        record["val_loss"] = self.validation_loss()
+                    if t.sample_every and (self.step % t.sample_every == 0 or self.step == t.max_steps):
+                        record["samples"] = self.write_samples()
+                    if self.step % t.log_every == 0 or "val_loss" in record or "samples" in record:
+                        self.log(record)
+                    bar.set_postfix(
+                        loss=f"{metrics['loss']:.4f}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                        mem=bar_text(record),
+                    )
+                    bar.update(1)
+                    if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                        self.save()
+            if self._background is not None:
+                self._background.wait()  # the final checkpoint is on disk when train() returns
         finally:
             bar.close()
             if hasattr(batches, "close"):

@@ -1,7 +1,7 @@
 """dit/checkpoint.py on its own: pruning, stale temp directories, resolving paths, weights, RNG.
 
-Fast (no training): a stand-in model writes a marker file where ``save_pretrained`` would write
-safetensors, so each test sees exactly which step's files ended where.
+Fast (no training): a stand-in model writes a marker file next to a one-tensor safetensors where
+``save_pretrained`` would write its weights, so each test sees exactly which step's files ended where.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class FakeModel:
     def save_pretrained(self, directory):
         directory.mkdir(parents=True)
         (directory / "weights.txt").write_text(self.tag)
+        save_file({"w": torch.zeros(2)}, directory / "diffusion_pytorch_model.safetensors")
 
 
 def _save(root, step, keep=3, ema=True):

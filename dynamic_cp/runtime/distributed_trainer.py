@@ -24,6 +24,7 @@ gradients are replicated on every rank here; ``parallel.fsdp=per_step|per_layer`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from data.cli import RunStopped
 from dit.checkpoint import resolve_checkpoint
 from dit.clips import micro_batch_loss
 from dit.config import Config
@@ -45,6 +47,11 @@ from dynamic_cp.runtime.groups import build_cp_groups
 from dynamic_cp.runtime.iterator import DynamicCPBatches, StepBatch
 from dynamic_cp.runtime.step_plans import cp_sizes_of
 from dynamic_cp.runtime.step_stats import StepTimeline
+from dynamic_cp.runtime.timeouts import STARTUP_FACTOR, describe_timeout, set_collective_timeout
+
+
+class CollectiveTimeout(RunStopped):
+    """A collective waited longer than ``parallel.timeout_s``: another rank hung or died."""
 
 
 def check_world_failures(failures, failed_in_world: int) -> None:
@@ -139,6 +146,9 @@ class DistributedTrainer(Trainer):
             **optimizer_kwargs(self.cfg.train),
         )
 
+    def checkpoint_extras(self) -> dict[str, str]:
+        return {STATE_FILE: json.dumps(self.learner.state_dict())}
+
     def save(self):
         sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
         if sharded:
@@ -147,8 +157,7 @@ class DistributedTrainer(Trainer):
             # Replicas are identical (and the moments gathered), so rank 0's state is everyone's.
             if not self.is_main:
                 return None
-            step_dir = super().save()
-            (step_dir / STATE_FILE).write_text(json.dumps(self.learner.state_dict()))
+            step_dir = super().save()  # with the learner's state (checkpoint_extras)
             self.learner.save(self.out, self.step)
             return step_dir
         finally:
@@ -314,4 +323,37 @@ class DistributedTrainer(Trainer):
         return super().validation_loss() if self.is_main else float("nan")
 
     def run_step(self, batch: StepBatch) -> tuple[dict, list[int]]:
+        self._doing = f"step {self.step + 1}"
         return {**self.train_step(batch), "world_size": self.world_size}, list(batch.lengths)
+
+    # ----------------------------------------------------------------------------- bounded hangs
+
+    @contextlib.contextmanager
+    def side_work(self):
+        """Validation, samples and checkpoints may run on rank 0 alone while the others wait: under the
+        start-up timeout, ended by a barrier; then every collective gets ``parallel.timeout_s``."""
+        t, step = self.cfg.train, self.step
+        busy = step % t.val_every == 0 or step % t.checkpoint_every == 0 or step == t.max_steps
+        busy = busy or bool(t.sample_every and step % t.sample_every == 0)
+        self._doing = f"the validation, samples or checkpoint after step {step}"
+        if busy:
+            set_collective_timeout(STARTUP_FACTOR * self.cfg.parallel.timeout_s)
+        yield
+        if busy:
+            dist.barrier(group=self.world)  # the others wait here for rank 0's side work
+        set_collective_timeout(self.cfg.parallel.timeout_s)
+
+    def train(self) -> None:
+        self._doing = "the start-up (step-0 validation, first plan)"
+        try:
+            super().train()
+        except RuntimeError as err:
+            collective = describe_timeout(err)
+            if collective is None:
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.rank}: collective {collective} timed out in {self._doing}: another rank is hung "
+                f"or dead (see its log; on NCCL every rank dumped its flight-recorder trace to "
+                f"{self.out / 'flight_recorder'}, read with `python -m torch.distributed.flight_recorder."
+                f"fr_trace {self.out / 'flight_recorder'}`); parallel.timeout_s={self.cfg.parallel.timeout_s:g}"
+            ) from None

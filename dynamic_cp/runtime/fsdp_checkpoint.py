@@ -30,7 +30,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dit.checkpoint import begin_checkpoint, commit_checkpoint, load_trainer_state, rng_state
+from dit.checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
+    export_pretrained,
+    load_trainer_state,
+    rng_state,
+)
 from dynamic_cp.runtime.fsdp import ShardedEMA
 
 SHARDED = "sharded"
@@ -41,20 +47,6 @@ def _sharded_state(model, optimizer, ema: ShardedEMA | None) -> dict:
     if ema is not None:
         state["ema"] = ema.params  # DTensors, loaded in place
     return state
-
-
-def export_pretrained(config, state: dict[str, torch.Tensor], directory: Path) -> None:
-    """save_pretrained of full weights without a second full model in memory: the module is built
-    on the meta device and its tensors are the gathered ones."""
-    from dit.model import VideoDiT
-
-    with torch.device("meta"):
-        model = VideoDiT.from_config(config)
-    model.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, t in model.state_dict().items() if t.is_meta]
-    if missing:
-        raise RuntimeError(f"export lacks tensors {missing[:5]}")
-    model.save_pretrained(directory)
 
 
 def save_fsdp_checkpoint(

@@ -44,6 +44,11 @@ class FSDPTrainer(DistributedTrainer):
                 f"parallel.fsdp={cfg.parallel.fsdp} resolves to 'none' here; use DistributedTrainer "
                 "(dynamic_cp.runtime.distributed_trainer.trainer_class picks the right one)"
             )
+        if cfg.train.async_checkpoint:  # DCP's async_save would do it; not wired in yet
+            raise ValueError(
+                f"train.async_checkpoint works with replicated weights only, and parallel.fsdp is "
+                f"{self.fsdp_mode} here: set train.async_checkpoint=false or parallel.fsdp=none"
+            )
         super().__init__(cfg, world, resume=resume, device=device)
 
     # ----------------------------------------------------------------------------- construction

@@ -19,6 +19,7 @@ from dit.config import Config
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, resolve_fsdp_mode
 from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
+from dynamic_cp.runtime.timeouts import startup_timeout
 from dynamic_cp.runtime.torchrun import init_torchrun
 
 
@@ -72,7 +73,8 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
             f"parallel.mode={cfg.parallel.mode} needs one process per rank: launch with "
             "`torchrun --nproc_per_node=N train.py ...` (or set parallel.mode=none for one process)"
         )
-    device = init_torchrun()
+    # start-up's timeout; DistributedTrainer shortens it to parallel.timeout_s after the first step
+    device = init_torchrun(startup_timeout(cfg.parallel.timeout_s), flight_recorder_dir=cfg.output_dir)
     try:
         train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
     finally:

@@ -148,3 +148,24 @@ def assert_grads_match(got: dict, ref: dict, rel_tol: float, label: str = "") ->
             f"(relative, tolerance {rel_tol:.0e}); {bad} of {len(errors)} tensors off; "
             f"|grad| / |reference grad| = {got_norm / ref_norm:.6g} over all parameters"
         )
+
+
+# ----------------------------------------------------------------------------- torchrun's workers
+
+
+def torchrun_workers(agent_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the worker processes a torchrun agent (``agent_pid``) runs now, read from
+    /proc (Linux): the fault tests and bench/chaos.py kill or stop one of them."""
+    from pathlib import Path
+
+    found = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # ended meanwhile
+                continue
+            ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+            if ranks:
+                found[int(ranks[0])] = int(pid)
+    return found

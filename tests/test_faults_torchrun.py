@@ -1,0 +1,134 @@
+"""Faults of a multi-process run, with real processes: a rank killed under torchrun, a rank hung.
+
+- Kill: ``torchrun --max-restarts=1 train.py ... --resume auto`` on 2 gloo ranks (2, not 4: the
+  CI machine has 2 cores and each rank imports torch and diffusers). Right after the first
+  checkpoint, rank 1 is SIGKILLed (in the middle of a step: steps take about a second here and the
+  kill follows the checkpoint within milliseconds). torchrun restarts both workers with the same
+  arguments; they resume the newest whole checkpoint and the job ends at max_steps with weights
+  bitwise equal to an uninterrupted torchrun run (replicated weights, same plan, same reduction
+  order, same OMP_NUM_THREADS=1), the same loss at every step (the same clips: the data position
+  is the step), and each step once in metrics.jsonl.
+- Hang: two ranks started as torchrun would (env://), ``parallel.timeout_s=5``; after step 2 rank 1
+  is SIGSTOPped. Rank 0 must exit non-zero within timeout_s + 30 s with one line naming the
+  collective and the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from safetensors.torch import load_file
+
+from dynamic_cp.runtime.testing import torchrun_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+PARALLEL = {
+    "parallel.mode": "dynamic",
+    "parallel.fsdp": "none",
+    "parallel.hardware": "h100",  # fixed prices and no refit: the same plans in every attempt
+    "parallel.learn_costs": "false",
+}
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _torchrun(run_dir: Path, extra: list[str], max_restarts: int = 0) -> subprocess.Popen:
+    over = tiny_overrides(run_dir, **PARALLEL, **{"train.max_steps": 6, "train.checkpoint_every": 2})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        f"--max-restarts={max_restarts}", "train.py", "--config", TINY, *over, *extra, "--resume", "auto",
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / "step_000006" / "model" / "diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
+def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(tmp_path):
+    whole = _torchrun(tmp_path / "whole", [])
+    out_whole, _ = whole.communicate(timeout=600)
+    assert whole.returncode == 0, out_whole[-3000:]
+
+    killed = _torchrun(tmp_path / "killed", [], max_restarts=1)
+    first = tmp_path / "killed" / "run" / "checkpoints" / "step_000002"
+    deadline = time.time() + 600
+    while not first.is_dir() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    victim = torchrun_workers(killed.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = killed.communicate(timeout=600)
+    assert killed.returncode == 0, out[-3000:]
+    assert "resumed from" in out, out[-3000:]  # the second attempt resumed; it did not start over
+
+    whole_run, killed_run = tmp_path / "whole" / "run", tmp_path / "killed" / "run"
+    steps = [r["step"] for r in _rows(killed_run)]
+    assert steps == sorted(set(steps)) and steps[-1] == 6 and set(steps) >= set(range(1, 7)), steps
+    want = {r["step"]: (r["loss"], r["tokens"]) for r in _rows(whole_run) if "loss" in r}
+    got = {r["step"]: (r["loss"], r["tokens"]) for r in _rows(killed_run) if "loss" in r}
+    assert got == want  # every step's clips (their tokens) and loss, bitwise
+    a, b = _weights(whole_run), _weights(killed_run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hung_rank_stops_the_other_within_the_timeout(tmp_path):
+    timeout_s = 5
+    port = _free_port()
+    over = tiny_overrides(
+        tmp_path, **PARALLEL,
+        **{"train.max_steps": 1000, "train.val_every": 1000, "train.checkpoint_every": 1000,
+           "parallel.timeout_s": timeout_s},
+    )  # fmt: skip
+    procs = []
+    for rank in (0, 1):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "train.py", "--config", TINY, *over], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and procs[0].poll() is None:
+            if metrics.is_file() and any(r.get("step", 0) >= 2 for r in _rows(metrics.parent)):
+                break
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.time()
+        _, err = procs[0].communicate(timeout=timeout_s + 30)
+        assert time.time() - stopped < timeout_s + 30
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode not in (0, None)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert "rank 0: collective " in lines[0] and " timed out in step " in lines[0], lines[0]
+    assert "parallel.timeout_s=5" in lines[0], lines[0]
