@@ -111,4 +111,9 @@ def load_pretrained_sampler(
             f"expects text_dim={model.config.text_dim}; the folder mixes parts of different models"
         )
     vae = load_vae("wan", path / "vae", device=str(device))
+    if vae.latent_channels != model.config.in_channels:
+        raise ValueError(
+            f"{path / 'vae'} makes {vae.latent_channels}-channel latents but {path / 'transformer'} takes "
+            f"in_channels={model.config.in_channels}; the folder mixes parts of different models"
+        )
     return Sampler(model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()))

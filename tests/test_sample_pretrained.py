@@ -1,0 +1,85 @@
+"""sample.py --pretrained: a diffusers-format Wan folder (transformer/, vae/, text_encoder/,
+tokenizer/, scheduler/) of small random models, sampled without a training run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import sample
+from tests.test_data_cache import save_text_encoder, save_vae
+
+WAN = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+    freq_dim=16, ffn_dim=32, num_layers=2,
+)  # fmt: skip  # in_channels = the VAE's z_dim, text_dim = the UMT5's d_model
+
+
+def save_wan_pipeline(root):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    WanTransformer3DModel(**WAN).save_pretrained(root / "transformer")
+    save_vae("wan", str(root / "vae"))
+    save_text_encoder("umt5", str(root / "te"))
+    (root / "text_encoder").mkdir()
+    (root / "tokenizer").mkdir()
+    for f in (root / "te").iterdir():  # the model to text_encoder/, the tokenizer to tokenizer/
+        dest = "text_encoder" if f.name in ("config.json", "model.safetensors") else "tokenizer"
+        f.rename(root / dest / f.name)
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({"flow_shift": 3.0}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    return save_wan_pipeline(tmp_path_factory.mktemp("wan") / "Wan-tiny-Diffusers")
+
+
+def test_pretrained_folder_samples_a_queue_and_reruns_skip(wan_folder, tmp_path, capsys):
+    (tmp_path / "q.jsonl").write_text('{"prompt": "a cat", "frames": 5}\n{"prompt": "a dog", "width": 32}\n')
+    argv = ["--pretrained", str(wan_folder), "--prompts-file", str(tmp_path / "q.jsonl"), "--frames", "1",
+            "--height", "16", "--width", "16", "--steps", "2", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert sample.main(argv) == 0
+    import imageio.v3 as iio
+
+    clips = sorted((tmp_path / "out").glob("*.mp4"))
+    assert [iio.imread(c).shape[:3] for c in clips] == [(5, 16, 16), (1, 16, 32)]
+    capsys.readouterr()
+    assert sample.main(argv) == 0
+    assert "2 of 2 clips already in place" in capsys.readouterr().out
+
+
+def test_pretrained_sampler_is_the_folder_parts(wan_folder):
+    from dit.sampler_setup import load_pretrained_sampler
+
+    s = load_pretrained_sampler(str(wan_folder), None, 1.0, "cpu")
+    assert s.shift == 3.0 and s.vae.stride == (4, 8, 8) and s.text_encoder.dim == 16
+    assert s.model.config.text_pad_len == 512  # Wan pads captions as its pipeline does
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--frames", "6"],
+            "--prompt 1: frames=6: a causal video VAE with temporal stride 4 needs 1 + 4k frames",
+        ),
+        (["--height", "20"], "--prompt 1: height and width must be multiples of the VAE stride"),
+    ],
+)
+def test_pretrained_bad_shapes_are_one_line_exit_2(wan_folder, tmp_path, capsys, extra, message):
+    argv = ["--pretrained", str(wan_folder), "--prompt", "x", "--steps", "1", "--out", str(tmp_path), *extra]
+    assert sample.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_pretrained_folder_missing_parts_is_one_line(tmp_path, capsys):
+    (tmp_path / "transformer").mkdir()
+    assert sample.main(["--pretrained", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks vae/, text_encoder/, tokenizer/" in err[0], err
