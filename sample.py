@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    import contextlib
     import os
 
     import torch
@@ -101,36 +102,53 @@ def run(args) -> int:
     requests = build_queue(args.prompt, args.prompts_file, defaults)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        from dynamic_cp.runtime.sampling import init_sampling_world
+        from dynamic_cp.runtime.sampling import sampling_world
 
-        device = init_sampling_world()
+        world = sampling_world()  # joins torchrun's process group; left on exit
     else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.pretrained:
-        sampler = load_pretrained_sampler(args.pretrained, args.lora, args.lora_scale, device)
-    else:
-        sampler = load_checkpoint_sampler(args.checkpoint, args.weights, args.lora, args.lora_scale, device)
-    shift = args.shift if args.shift is not None else sampler.shift
-    check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
-    out = Path(args.out) if args.out else sampler.out_dir
-    settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
-    paths = {r.index: output_path(out, r, settings) for r in requests}
-    if distributed:
-        from dynamic_cp.runtime.sampling import sample_queue_distributed
+        world = contextlib.nullcontext(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    with world as device:
+        if args.pretrained:
+            sampler = load_pretrained_sampler(args.pretrained, args.lora, args.lora_scale, device)
+        else:
+            sampler = load_checkpoint_sampler(
+                args.checkpoint, args.weights, args.lora, args.lora_scale, device
+            )
+        shift = args.shift if args.shift is not None else sampler.shift
+        check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
+        out = Path(args.out) if args.out else sampler.out_dir
+        settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
+        paths = {r.index: output_path(out, r, settings) for r in requests}
+        if distributed:
+            from dynamic_cp.runtime.sampling import sample_queue_distributed
 
-        written = sample_queue_distributed(
-            sampler, requests, paths, shift, args.fps, args.upscale, args.cfg_parallel != "off", args.hardware
-        )
-    else:
-        written = sample_queue(
-            sampler.model, sampler.text_encoder, sampler.vae, requests, paths, shift, args.fps, args.upscale
-        )
-    if args.grid and written is not None:
-        write_grid(out, requests, paths, args.seed, args.upscale)
+            sample_queue_distributed(
+                sampler,
+                requests,
+                paths,
+                shift,
+                args.fps,
+                args.upscale,
+                args.cfg_parallel != "off",
+                args.hardware,
+            )
+        else:
+            sample_queue(
+                sampler.model,
+                sampler.text_encoder,
+                sampler.vae,
+                requests,
+                paths,
+                shift,
+                args.fps,
+                args.upscale,
+            )
+    if args.grid and os.environ.get("RANK", "0") == "0":  # one rank draws the grid, from the mp4s
+        write_grid(out, requests, paths, args.seed)
     return 0
 
 
-def write_grid(out: Path, requests, paths: dict, seed: int, upscale: int) -> None:
+def write_grid(out: Path, requests, paths: dict, seed: int) -> None:
     """The PNG of every clip's frames (rows = requests), read back from the mp4s; skipped, with a
     note, when the clips differ in shape."""
     import imageio.v3 as iio

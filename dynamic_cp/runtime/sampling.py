@@ -21,6 +21,7 @@ Legend: n = tokens of one branch, p = patch values, k = branches in one forward,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -51,8 +52,10 @@ from dynamic_cp.planning.sampling_planner import (
 from dynamic_cp.runtime.groups import CPGroups, build_cp_groups
 
 
-def init_sampling_world() -> torch.device:
-    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs); -> this rank's device."""
+@contextlib.contextmanager
+def sampling_world():
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) for the ``with`` block; yields
+    this rank's device."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -62,7 +65,10 @@ def init_sampling_world() -> torch.device:
         # ranks share the machine's cores; oversubscribed threads only slow gloo down
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
-    return device
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
 
 
 def request_tokens(model, vae, request: SampleRequest) -> int:
@@ -186,39 +192,41 @@ def sample_queue_distributed(
     write each on its owner. Every rank returns the paths it wrote."""
     world = dist.group.WORLD
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    try:
-        # rank 0 decides what is left (a rank that looked later could see a clip another rank has
-        # just written, and plan a different queue)
-        todo = [[r.index for r in requests if not paths[r.index].exists()]] if rank == 0 else [None]
-        dist.broadcast_object_list(todo, src=0)
-        todo_requests = [r for r in requests if r.index in set(todo[0])]
-        if rank == 0 and len(todo_requests) < len(requests):
-            print(
-                f"{len(requests) - len(todo_requests)} of {len(requests)} clips already in place; sampling {len(todo_requests)}"
-            )
-        model = sampler.model
-        device = next(model.parameters()).device
-        cost = sampling_cost_model(model, device, world, hardware)
-        memory = (
-            float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+    # rank 0 decides what is left (a rank that looked later could see a clip another rank has
+    # just written, and plan a different queue)
+    todo = [[r.index for r in requests if not paths[r.index].exists()]] if rank == 0 else [None]
+    dist.broadcast_object_list(todo, src=0)
+    todo_requests = [r for r in requests if r.index in set(todo[0])]
+    if rank == 0 and len(todo_requests) < len(requests):
+        print(
+            f"{len(requests) - len(todo_requests)} of {len(requests)} clips already in place; sampling {len(todo_requests)}"
         )
-        plan = plan_queue(model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel)
-        groups = build_cp_groups(world, None, splits=cost.cp_layout)
-        written = []
+    model = sampler.model
+    device = next(model.parameters()).device
+    cost = sampling_cost_model(model, device, world, hardware)
+    memory = float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+    plan = plan_queue(model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel)
+    groups = build_cp_groups(world, None, splits=cost.cp_layout)
+    if rank == 0:
+        sizes = sorted({len(p.all_ranks) for p in plan.placements})
+        print(
+            f"plan: {len(plan.placements)} requests on {world_size} ranks ({plan.info.get('policy')}; ranks a "
+            f"request: {sizes}), predicted {plan.makespan:.1f} s by the {cost.hw.name} profile",
+            flush=True,
+        )
+    written = []
 
-        def on_done(request, video, placement, seconds):
-            path = write_video(video, paths[request.index], fps, upscale)
-            written.append(path)
-            where = f"ranks {placement.ranks}" + (
-                f" + {placement.cfg_ranks} (CFG-parallel)" if placement.cfg_ranks else ""
-            )
-            print(
-                f"[rank {rank}] {request.label()} on {where}, layout {placement.layout}: {seconds:.1f} s -> {path}",
-                flush=True,
-            )
+    def on_done(request, video, placement, seconds):
+        path = write_video(video, paths[request.index], fps, upscale)
+        written.append(path)
+        where = f"ranks {placement.ranks}" + (
+            f" + {placement.cfg_ranks} (CFG-parallel)" if placement.cfg_ranks else ""
+        )
+        print(
+            f"[rank {rank}] {request.label()} on {where}, layout {placement.layout}: {seconds:.1f} s -> {path}",
+            flush=True,
+        )
 
-        run_plan(model, sampler.text_encoder, sampler.vae, todo_requests, plan, groups, shift, on_done)
-        dist.barrier()  # every clip is written before any rank reports success
-        return written
-    finally:
-        dist.destroy_process_group()
+    run_plan(model, sampler.text_encoder, sampler.vae, todo_requests, plan, groups, shift, on_done)
+    dist.barrier()  # every clip is written before any rank reports success
+    return written
