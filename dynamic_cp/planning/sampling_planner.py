@@ -13,10 +13,10 @@ steps x the cost model's micro-batch time; the options are every allowed CP size
 the cost model's cheapest (Ulysses degrees divide the heads, by ``CostModel.cp_layout``).
 
 Choosing sizes is moldable-job scheduling. The planner tries every fixed option for all requests
-(what a launch-time degree does) and a greedy that starts each request on its least rank-seconds
-option and widens the request that ends last while that shortens the makespan; each choice is list
-scheduled (longest first, each request on the blocks that free up first) and the shortest makespan
-wins. So one long request gets all ranks, many short ones get one rank each, and the plan is never
+(what a launch-time degree does, list scheduled longest first on the blocks that free up first) and
+a moldable list schedule: longest first, each request takes the option and blocks that end it
+soonest, plus a charge for the rank-seconds it uses (several weights, from earliest finish to least
+rank-seconds). The shortest predicted makespan wins. So one long request gets all ranks, many short ones get one rank each, and the plan is never
 predicted slower than the best fixed degree. Every rank computes the same plan from the same input.
 """
 
@@ -156,6 +156,33 @@ def list_schedule(
     return sorted(placements, key=lambda p: (p.start, p.ranks[0], p.job))
 
 
+MOLDABLE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def moldable_schedule(
+    cost: CostModel, jobs: list[SamplingJob], options: list[list[Option]], world_size: int, weight: float
+) -> list[Placement]:
+    """Longest request first (by its least rank-seconds option); each takes the (option, blocks)
+    minimising end + ``weight`` x rank-seconds / world size; -> placements sorted by start."""
+    free = [0.0] * world_size
+    placements = []
+    for j in sorted(range(len(jobs)), key=lambda j: (-options[j][0].seconds, j)):
+        best = None
+        for option in options[j]:
+            for ranks, cfg_ranks in _candidate_blocks(world_size, option):
+                start = max(free[r] for r in ranks + (cfg_ranks or ()))
+                score = start + option.seconds + weight * option.seconds * option.num_ranks / world_size
+                if best is None or score < best[0] - 1e-12:
+                    best = (score, start, option, ranks, cfg_ranks)
+        _, start, option, ranks, cfg_ranks = best
+        end = start + option.seconds
+        for r in ranks + (cfg_ranks or ()):
+            free[r] = end
+        layout = cost.layout(_branch_lengths(jobs[j], option.cfg_parallel), option.cp)
+        placements.append(Placement(j, ranks, cfg_ranks, layout, start, end))
+    return sorted(placements, key=lambda p: (p.start, p.ranks[0], p.job))
+
+
 def _makespan(placements: list[Placement]) -> float:
     return max((p.end for p in placements), default=0.0)
 
@@ -211,22 +238,10 @@ def plan_sampling(
     for key in sorted(shared):
         choice = [next(o for o in opts if (o.cp, o.cfg_parallel) == key) for opts in options]
         candidates.append((f"fixed {key}", list_schedule(cost, jobs, choice, world_size)))
-    # greedy widening from the least rank-seconds option of each request
-    choice = [opts[0] for opts in options]
-    placements = list_schedule(cost, jobs, choice, world_size)
-    for _ in range(sum(len(o) for o in options)):
-        last = max(placements, key=lambda p: (p.end, -p.job)).job
-        improved = False
-        for option in sorted(options[last], key=lambda o: o.seconds):
-            if option.seconds >= choice[last].seconds:
-                break
-            trial = [*choice[:last], option, *choice[last + 1 :]]
-            trial_placements = list_schedule(cost, jobs, trial, world_size)
-            if _makespan(trial_placements) < _makespan(placements):
-                choice, placements, improved = trial, trial_placements, True
-                break
-        if not improved:
-            break
-    candidates.append(("dynamic", placements))
+    # moldable list scheduling: each request, longest first, takes the option and blocks that end it
+    # soonest, charged ``weight`` x its rank-seconds over the world (0: earliest finish, large:
+    # least rank-seconds, i.e. data parallel wherever it fits)
+    for weight in MOLDABLE_WEIGHTS:
+        candidates.append((f"moldable {weight}", moldable_schedule(cost, jobs, options, world_size, weight)))
     policy, best = min(candidates, key=lambda c: _makespan(c[1]))  # first of equals: fixed, then greedy
     return SamplingPlan(world_size, best, {"policy": policy})
