@@ -138,22 +138,7 @@ def list_schedule(
 ) -> list[Placement]:
     """Longest request first, each on the blocks of its option that are free first (lowest ranks on
     ties); -> placements sorted by start (the execution order)."""
-    free = [0.0] * world_size
-    placements = []
-    for j in sorted(range(len(jobs)), key=lambda j: (-choice[j].seconds, j)):
-        option = choice[j]
-        best = None
-        for ranks, cfg_ranks in _candidate_blocks(world_size, option):
-            start = max(free[r] for r in ranks + (cfg_ranks or ()))
-            if best is None or start < best[0]:
-                best = (start, ranks, cfg_ranks)
-        start, ranks, cfg_ranks = best
-        end = start + option.seconds
-        for r in ranks + (cfg_ranks or ()):
-            free[r] = end
-        layout = cost.layout(_branch_lengths(jobs[j], option.cfg_parallel), option.cp)
-        placements.append(Placement(j, ranks, cfg_ranks, layout, start, end))
-    return sorted(placements, key=lambda p: (p.start, p.ranks[0], p.job))
+    return moldable_schedule(cost, jobs, [[option] for option in choice], world_size, 0.0)
 
 
 MOLDABLE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
