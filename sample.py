@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         help="under torchrun: let the planner run a request's two CFG branches on two groups (auto)",
     )
     parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory per rank requests must fit (default: the GPU's; no check on CPU)",
+    )
+    parser.add_argument(
         "--hardware",
         default=None,
         help="cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
@@ -133,6 +139,11 @@ def run(args) -> int:
                 args.hardware,
             )
         else:
+            from dynamic_cp.runtime.sampling import check_memory, device_memory
+
+            memory = device_memory(device, args.memory_gb)
+            if memory is not None:  # a request that cannot fit fails now, not after the others
+                check_memory(sampler.model, sampler.vae, requests, memory)
             sample_queue(
                 sampler.model,
                 sampler.text_encoder,

@@ -114,3 +114,18 @@ def test_torchrun_two_ranks_writes_the_one_process_clips(wan_folder, tmp_path):
         # but for a pixel that lands on a rounding edge
         fa, fb = iio.imread(a).astype(int), iio.imread(b).astype(int)
         assert fa.shape == fb.shape and abs(fa - fb).max() <= 1, a.name
+
+
+def test_a_request_that_fits_no_memory_is_named_with_what_to_lower(wan_folder, tmp_path, capsys):
+    # 20 kB a rank: the tiny model's bf16 weights (12 kB) fit, and 8 tokens of activations
+    (tmp_path / "q.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog", "height": 48, "width": 48}\n')
+    argv = ["--pretrained", str(wan_folder), "--prompts-file", str(tmp_path / "q.jsonl"), "--frames", "1",
+            "--height", "16", "--width", "16", "--steps", "1", "--out", str(tmp_path), "--memory-gb", "2e-5"]  # fmt: skip
+    assert sample.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "q.jsonl line 2: 9 tokens" in err[0]
+        and "lower its frames, height or width" in err[0]
+    ), err
+    assert not list(tmp_path.glob("*.mp4"))  # checked before the first clip

@@ -178,6 +178,20 @@ def plan_queue(
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel)
 
 
+def check_memory(model, vae, requests: list[SampleRequest], memory_bytes: float) -> None:
+    """One process: a ValueError naming the first request whose forward does not fit
+    ``memory_bytes`` (the planner's check on a world of one rank)."""
+    dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
+    plan_queue(model, vae, requests, 1, CostModel(dims, Hardware.load("h100")).forward(), memory_bytes, True)
+
+
+def device_memory(device: torch.device, memory_gb: float | None) -> float | None:
+    """Bytes a rank may plan for: ``memory_gb`` when given, else the GPU's; None (no limit) on CPU."""
+    if memory_gb is not None:
+        return memory_gb * 1e9
+    return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+
+
 def sample_queue_distributed(
     sampler,
     requests: list[SampleRequest],
@@ -187,6 +201,7 @@ def sample_queue_distributed(
     upscale: int,
     cfg_parallel: bool,
     hardware: str | None,
+    memory_gb: float | None = None,
 ) -> list:
     """``sample.py`` under torchrun: plan the requests whose clips are not written yet, run them and
     write each on its owner. Every rank returns the paths it wrote."""
@@ -204,7 +219,7 @@ def sample_queue_distributed(
     model = sampler.model
     device = next(model.parameters()).device
     cost = sampling_cost_model(model, device, world, hardware)
-    memory = float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+    memory = device_memory(device, memory_gb)
     plan = plan_queue(model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel)
     groups = build_cp_groups(world, None, splits=cost.cp_layout)
     if rank == 0:
