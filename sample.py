@@ -97,7 +97,7 @@ def run(args) -> int:
 
     from dit.sample_requests import build_queue
     from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
-    from dit.sampling import check_requests, output_path, sample_queue
+    from dit.sampling import check_requests, output_path, remove_partials, sample_queue
 
     if args.upscale < 1:
         raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
@@ -125,6 +125,8 @@ def run(args) -> int:
         out = Path(args.out) if args.out else sampler.out_dir
         settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
         paths = {r.index: output_path(out, r, settings) for r in requests}
+        if os.environ.get("RANK", "0") == "0":  # before any rank writes: others wait for its plan
+            remove_partials(out)  # what a killed job was writing when it died
         if distributed:
             from dynamic_cp.runtime.sampling import sample_queue_distributed
 

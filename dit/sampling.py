@@ -277,6 +277,19 @@ def write_clips(
     return paths
 
 
+PARTIAL_PREFIX = ".partial-"
+
+
+def remove_partials(out_dir: str | Path) -> int:
+    """Delete the temporary folders a killed job left in ``out_dir`` (never a finished clip); -> how
+    many. Call it before this job writes anything there."""
+    out = Path(out_dir)
+    stale = list(out.glob(PARTIAL_PREFIX + "*")) if out.is_dir() else []
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(stale)
+
+
 class _partial:
     """A temporary path beside ``path`` (same name, in a hidden folder of the same directory) that
     is renamed onto ``path`` on success: a killed job never leaves a truncated clip under its name."""
@@ -286,7 +299,7 @@ class _partial:
 
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=".partial-", dir=self.path.parent)
+        self.dir = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=self.path.parent)
         return Path(self.dir) / self.path.name  # same suffix: ffmpeg picks the container by it
 
     def __exit__(self, kind, *_):

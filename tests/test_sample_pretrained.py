@@ -129,3 +129,39 @@ def test_a_request_that_fits_no_memory_is_named_with_what_to_lower(wan_folder, t
         and "lower its frames, height or width" in err[0]
     ), err
     assert not list(tmp_path.glob("*.mp4"))  # checked before the first clip
+
+
+def test_sigkilled_job_keeps_whole_clips_and_the_rerun_skips_them(wan_folder, tmp_path, capsys):
+    """A real kill (SIGKILL, no cleanup) after the first clip is written, then the same command."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import imageio.v3 as iio
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    argv = ["--pretrained", str(wan_folder), "--frames", "5", "--height", "16", "--width", "16",
+            "--steps", "10", "--out", str(out)] + [x for i in range(3) for x in ("--prompt", f"clip {i}")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [sys.executable, str(root / "sample.py"), *argv], env=env, stdout=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.time() + 240
+        while not list(out.glob("*.mp4")) and job.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        job.send_signal(signal.SIGKILL)
+    finally:
+        job.wait()
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("*.mp4")}
+    assert 1 <= len(kept) < 3, "the job was killed after its first clip and before its last"
+    for p in kept:
+        assert iio.imread(p).shape == (5, 16, 16, 3)  # whole clips only
+    assert sample.main(argv) == 0
+    assert f"{len(kept)} of 3 clips already in place; sampling {3 - len(kept)}" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # not written again
+    assert len(list(out.glob("*.mp4"))) == 3 and not list(out.glob(".partial-*"))
