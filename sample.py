@@ -1,10 +1,17 @@
-"""Sample clips from a checkpoint and write them as .mp4 (and optionally a PNG frame grid).
+"""Sample clips from a checkpoint or a diffusers Wan folder and write them as .mp4 files.
 
     python sample.py --checkpoint runs/tiny --prompt "a red circle moving right on a black background"
+    python sample.py --pretrained Wan2.1-T2V-1.3B-Diffusers --prompts-file queue.jsonl --out clips
+    torchrun --nproc_per_node 8 sample.py --pretrained Wan2.1-T2V-14B-Diffusers --prompts-file queue.jsonl
 
-Loads the EMA weights by default. Same seed and arguments, same clip. ``--lora FILE_OR_DIR`` adds a
-diffusers-format Wan LoRA (ours, diffusers', finetrainers', DiffSynth-Studio's) to any checkpoint,
-scaled by ``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself.
+Loads the EMA weights of a run by default. ``--prompts-file`` takes plain text (one prompt a line) or
+a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width, steps, guidance, seed
+and negative_prompt (the flags give the rest). Request i uses its line's seed, else --seed + i: the
+same request gives the same clip in any queue, on one process or many. Under torchrun a planner
+gives each request its context-parallel group and CFG split (docs/sampling.md). Clips already in
+--out are skipped, so a killed job reruns with the same command. ``--lora FILE_OR_DIR`` adds a
+diffusers-format Wan LoRA (ours, diffusers', finetrainers', DiffSynth-Studio's), scaled by
+``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--checkpoint", required=True, help="run directory (its latest checkpoint) or a step_* dir"
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="run directory (its latest checkpoint) or a step_* dir")
+    source.add_argument(
+        "--pretrained", help="a diffusers Wan folder: transformer/, vae/, text_encoder/, tokenizer/"
     )
     parser.add_argument("--prompt", action="append", help="a prompt; repeat for several")
-    parser.add_argument("--prompts-file", help="a text file with one prompt per line")
+    parser.add_argument(
+        "--prompts-file", help="one prompt a line (.txt), or a .jsonl / .csv queue with per-line settings"
+    )
     parser.add_argument(
         "--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights"
     )
@@ -53,70 +64,120 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", action="store_true", help="also write a PNG grid of all frames")
     parser.add_argument("--lora", default=None, help="a Wan LoRA .safetensors file (or its folder) to add")
     parser.add_argument("--lora-scale", type=float, default=1.0, help="strength of --lora (0 = the base)")
-    parser.add_argument("--out", default=None, help="output directory (default: <run>/samples)")
+    parser.add_argument(
+        "--out", default=None, help="output directory (default: <run>/samples, or ./samples for --pretrained)"
+    )
+    parser.add_argument(
+        "--cfg-parallel",
+        choices=("auto", "off"),
+        default="auto",
+        help="under torchrun: let the planner run a request's two CFG branches on two groups (auto)",
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory per rank requests must fit (default: the GPU's; no check on CPU)",
+    )
+    parser.add_argument(
+        "--hardware",
+        default=None,
+        help="cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
+    )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     return run_cli(lambda: run(args), args.debug)
 
 
 def run(args) -> int:
-    import torch
-    import yaml
+    import contextlib
+    import os
 
-    from dit.checkpoint import resolve_checkpoint
-    from dit.config import Config, from_dict
-    from dit.sampling import generate, write_clips
-    from dit.setup import build_text_encoder, build_vae
+    import torch
+
+    from dit.sample_requests import build_queue
+    from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
+    from dit.sampling import check_requests, output_path, remove_partials, sample_queue
 
     if args.upscale < 1:
         raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        prompts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError("no prompt given; pass --prompt TEXT (repeatable) or --prompts-file FILE")
-    step_dir = resolve_checkpoint(args.checkpoint)
-    weights = step_dir / args.weights
-    if not weights.is_dir():
-        raise ValueError(
-            f"{weights} does not exist; this checkpoint has no {args.weights} weights, try --weights model"
-        )
-    cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_sampling_model(cfg, weights, args.lora, args.lora_scale).to(device).eval()
-    text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
-    vae = build_vae(cfg.data, device)
-    videos = generate(
-        model, text_encoder, vae, prompts, args.frames, args.height, args.width,
-        steps=args.steps, guidance=args.guidance, seed=args.seed,
-        shift=args.shift if args.shift is not None else cfg.flow.shift,
-        negative_prompt=args.negative_prompt,
+    defaults = dict(
+        frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
+        seed=args.seed, negative_prompt=args.negative_prompt,
     )  # fmt: skip
-    out = Path(args.out) if args.out else step_dir.parent.parent / "samples"
-    for path in write_clips(videos, prompts, out, args.seed, args.fps, args.upscale, grid=args.grid):
-        print(path)
+    requests = build_queue(args.prompt, args.prompts_file, defaults)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        from dynamic_cp.runtime.sampling import sampling_world
+
+        world = sampling_world()  # joins torchrun's process group; left on exit
+    else:
+        world = contextlib.nullcontext(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    with world as device:
+        if args.pretrained:
+            sampler = load_pretrained_sampler(args.pretrained, args.lora, args.lora_scale, device)
+        else:
+            sampler = load_checkpoint_sampler(
+                args.checkpoint, args.weights, args.lora, args.lora_scale, device
+            )
+        shift = args.shift if args.shift is not None else sampler.shift
+        check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
+        out = Path(args.out) if args.out else sampler.out_dir
+        settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
+        paths = {r.index: output_path(out, r, settings) for r in requests}
+        if os.environ.get("RANK", "0") == "0":  # before any rank writes: others wait for its plan
+            remove_partials(out)  # what a killed job was writing when it died
+        if distributed:
+            from dynamic_cp.runtime.sampling import sample_queue_distributed
+
+            sample_queue_distributed(
+                sampler,
+                requests,
+                paths,
+                shift,
+                args.fps,
+                args.upscale,
+                args.cfg_parallel != "off",
+                args.hardware,
+            )
+        else:
+            from dynamic_cp.runtime.sampling import check_memory, device_memory
+
+            memory = device_memory(device, args.memory_gb)
+            if memory is not None:  # a request that cannot fit fails now, not after the others
+                check_memory(sampler.model, sampler.vae, requests, memory)
+            sample_queue(
+                sampler.model,
+                sampler.text_encoder,
+                sampler.vae,
+                requests,
+                paths,
+                shift,
+                args.fps,
+                args.upscale,
+            )
+    if args.grid and os.environ.get("RANK", "0") == "0":  # one rank draws the grid, from the mp4s
+        write_grid(out, requests, paths, args.seed)
     return 0
 
 
-def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float):
-    """A checkpoint's weights (a LoRA run's: its base + the saved adapter), then ``lora`` on top."""
+def write_grid(out: Path, requests, paths: dict, seed: int) -> None:
+    """The PNG of every clip's frames (rows = requests), read back from the mp4s; skipped, with a
+    note, when the clips differ in shape."""
+    import imageio.v3 as iio
     import torch
 
-    from dit import lora as lora_lib
-    from dit.model import VideoDiT
-    from dit.setup import build_model
+    from dit.sampling import frame_grid, write_grid_png
 
-    if (weights / lora_lib.WEIGHT_NAME).is_file():  # a LoRA run saved only its adapter
-        torch.manual_seed(cfg.train.seed)  # a base without model.pretrained is the run's seeded init
-        model = build_model(cfg.model)  # the base it trained on
-        lora_lib.load_lora(model, weights, adapter_name="trained")
-        lora_lib.merge_lora(model)  # folded in, so that --lora below is the only adapter
-    else:
-        model = VideoDiT.from_pretrained(weights)
-    if lora is not None:
-        lora_lib.load_lora(model, lora)
-        lora_lib.set_lora_scale(model, lora_scale)
-    return model
+    shapes = {(r.frames, r.height, r.width) for r in requests}
+    if len(shapes) > 1:
+        print(f"--grid skipped: the queue mixes {len(shapes)} clip shapes, a grid needs one")
+        return
+    # frames back in [-1, 1], (3, f, h, w), as frame_grid takes them
+    videos = [
+        torch.from_numpy(iio.imread(paths[r.index])).permute(3, 0, 1, 2).float() / 127.5 - 1 for r in requests
+    ]
+    print(write_grid_png(frame_grid(videos), out / f"grid_seed{seed}.png"))
 
 
 if __name__ == "__main__":

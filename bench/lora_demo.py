@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from dit.config import Config, from_dict
+    from dit.sampler_setup import load_sampling_model
     from dit.sampling import generate, write_clips
     from dit.setup import build_text_encoder
-    from sample import load_sampling_model
 
     cfg = from_dict(Config, yaml.safe_load((base_step / "config.yaml").read_text()))
     frames, height, width = cfg.train.sample_shape

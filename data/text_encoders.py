@@ -79,6 +79,9 @@ def load_text_encoder(
     import transformers  # heavy import: only when a real encoder is asked for
 
     cls = transformers.UMT5EncoderModel if kind == "umt5" else transformers.T5EncoderModel
+    # transformers draws a "Loading weights" bar on stderr; start-up stays quiet (a CLI's stderr is
+    # for its one-line errors)
+    transformers.utils.logging.disable_progress_bar()
     model = cls.from_pretrained(_sub(path, "text_encoder"), dtype=dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(_sub(path, "tokenizer"))
     return HFTextEncoder(model, tokenizer, max_length, device, dtype)

@@ -52,7 +52,11 @@ class DiffusersVAE:
     def __init__(
         self, kind: str, model, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
-        self.kind, self.model = kind, model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        # load_vae reads the weights in ``dtype`` already: a second cast would only make diffusers warn
+        # on stderr (its to(dtype) warning for models with fp32 modules)
+        same = next(model.parameters()).dtype == dtype
+        model = model.to(device=device) if same else model.to(device=device, dtype=dtype)
+        self.kind, self.model = kind, model.eval().requires_grad_(False)
         self.device, self.dtype = torch.device(device), dtype
         cfg = model.config
         if kind == "wan":

@@ -1,24 +1,168 @@
 """Generate clips with a trained VideoDiT: flow-matching Euler steps with classifier-free guidance.
 
-All prompts of a call share one packed sequence, conditional and unconditional copies included, so a
-guided step is one forward pass. Noise comes from one generator seeded by ``seed``: the same seed and
-arguments give the same clip.
+A request (``dit/sample_requests.py``) is sampled on its own: its noise comes from a generator seeded
+by the request's seed, so the same request gives the same clip whatever else is in the queue and
+wherever it runs. One guided step packs the conditional and unconditional branches into one forward
+pass (two clips of one packed sequence). The pieces (``branch_velocity``, ``denoise``, ``decode``)
+are what ``dynamic_cp/runtime/sampling.py`` runs on a CP group: it hands ``branch_velocity`` a CP
+attention function and a token range instead of ``PackedAttention`` and the whole sequence.
 
-Legend: n = tokens of one clip, b = prompts, p = patch values.
+Legend: n = tokens of one clip, p = patch values, k = branches in one forward (1 or 2).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from data.tokens import latent_shape
-from dit.attention import PackedAttention
+from dit.attention import AttentionFn, PackedAttention
 from dit.flow import shift_for_tokens
-from dit.packing import check_divisible, grid_positions, unpatchify
+from dit.packing import check_divisible, grid_positions, local_seq_lens, unpatchify
+from dit.sample_requests import SampleRequest
+
+# (x (n, p), timestep) -> (v_cond (n, p), v_uncond (n, p) or None): one guided step's velocities
+Velocities = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def request_grid(
+    request: SampleRequest, patch: tuple[int, int, int], stride: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """The request's token grid (f, h, w) after the VAE and patching; a ValueError naming the request
+    when the VAE stride or the patch cannot make its frames, height or width."""
+    frames, height, width = request.frames, request.height, request.width
+    where = request.label()
+    if min(frames, height, width) < 1:
+        raise ValueError(f"{where}: frames, height and width must be positive, got {frames}x{height}x{width}")
+    if stride[0] > 1 and (frames - 1) % stride[0]:
+        raise ValueError(
+            f"{where}: frames={frames}: a causal video VAE with temporal stride {stride[0]} needs 1 + "
+            f"{stride[0]}k frames, e.g. {1 + (frames - 1) // stride[0] * stride[0]}"
+        )
+    f, h, w = latent_shape(frames, height, width, stride)
+    if (h * stride[1], w * stride[2]) != (height, width) or min(h, w) < 1:
+        raise ValueError(
+            f"{where}: height and width must be multiples of the VAE stride {stride[1:]}, got {height}x{width}"
+        )
+    check_divisible((f, h, w), patch, what=f"{where}: latent of the requested clip")
+    return (f // patch[0], h // patch[1], w // patch[2])
+
+
+def request_noise(request: SampleRequest, num_tokens: int, patch_values: int) -> torch.Tensor:
+    """(n, p) starting noise of the request: from its own seed, never from its place in a batch."""
+    g = torch.Generator().manual_seed(request.seed)
+    return torch.randn(num_tokens, patch_values, generator=g)
+
+
+def encode_request(text_encoder, request: SampleRequest, device) -> list[torch.Tensor]:
+    """[cond] or [cond, uncond] text embeddings, (l, d) each, from one encoder call (so every rank
+    that encodes the request, whichever branch it runs, gets the same numbers)."""
+    captions = [request.prompt, request.negative_prompt] if request.guided else [request.prompt]
+    return [t.to(device, torch.float32) for t in text_encoder.encode(captions)]
+
+
+def request_scheduler(request: SampleRequest, num_tokens: int, shift: float | None, device=None):
+    """A fresh Euler scheduler for the request: ``shift`` (default: by token count), its steps."""
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=float(shift if shift is not None else shift_for_tokens(num_tokens))
+    )
+    scheduler.set_timesteps(request.steps, device=device)
+    return scheduler
+
+
+def branch_velocity(
+    model,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    positions: torch.Tensor,
+    texts: list[torch.Tensor],
+    attention: AttentionFn,
+    token_range: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Velocity of ``len(texts)`` branches of one clip packed into one sequence (k copies of ``x``,
+    one per text), or of its slice ``token_range`` (this rank's CP shard): (k*n or end-start, p)."""
+    k, n = len(texts), x.shape[0]
+    seq_lens = torch.full((k,), n)
+    x_in = x.repeat(k, 1)  # (k*n, p)
+    pos = positions.repeat(k, 1)  # (k*n, 3)
+    local = seq_lens
+    if token_range is not None:
+        start, end = token_range
+        x_in, pos, local = x_in[start:end], pos[start:end], local_seq_lens(seq_lens, start, end)
+    text = torch.cat(texts)  # (l, d)
+    text_lens = torch.tensor([tx.shape[0] for tx in texts])
+    return model(x_in, pos, local, t.expand(k).float(), text, text_lens, attention).float()
+
+
+def cfg_mix(v_cond: torch.Tensor, v_uncond: torch.Tensor | None, guidance: float) -> torch.Tensor:
+    return v_cond if v_uncond is None else v_uncond + guidance * (v_cond - v_uncond)
+
+
+def denoise(x: torch.Tensor, scheduler, velocities: Velocities, guidance: float) -> torch.Tensor:
+    """Euler steps from noise ``x`` (n, p); ``velocities`` runs the model wherever it runs."""
+    for t in scheduler.timesteps:
+        x = scheduler.step(cfg_mix(*velocities(x, t), guidance), t, x).prev_sample
+    return x
+
+
+def decode(x: torch.Tensor, grid, patch, vae) -> torch.Tensor:
+    """(n, p) final tokens -> (3, f, h, w) video in [-1, 1] on the CPU (``vae`` None: pixel space)."""
+    latent = unpatchify(x, grid, patch)  # (c, f, h, w)
+    video = latent if vae is None else vae.decode(latent[None])[0]
+    return video.clamp(-1, 1).cpu()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What every rank that runs a request needs before its first step."""
+
+    grid: tuple[int, int, int]
+    positions: torch.Tensor  # (n, 3)
+    noise: torch.Tensor  # (n, p)
+    texts: list[torch.Tensor]  # [cond] or [cond, uncond]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.noise.shape[0]
+
+
+def model_stride(model, vae) -> tuple[int, int, int]:
+    return (1, 1, 1) if vae is None else tuple(vae.stride)
+
+
+def prepare(model, text_encoder, vae, request: SampleRequest) -> Prepared:
+    device = next(model.parameters()).device
+    patch = tuple(model.config.patch_size)
+    grid = request_grid(request, patch, model_stride(model, vae))
+    n = grid[0] * grid[1] * grid[2]
+    p = model.config.in_channels * patch[0] * patch[1] * patch[2]
+    noise = request_noise(request, n, p).to(device)
+    return Prepared(grid, grid_positions(grid, device), noise, encode_request(text_encoder, request, device))
+
+
+@torch.no_grad()
+def sample_request(
+    model, text_encoder, vae, request: SampleRequest, shift: float | None = None
+) -> torch.Tensor:
+    """One process: -> the request's (3, f, h, w) video in [-1, 1]."""
+    prep = prepare(model, text_encoder, vae, request)
+    attention = PackedAttention([prep.num_tokens] * len(prep.texts))
+
+    def velocities(x, t):
+        v = branch_velocity(model, x, t, prep.positions, prep.texts, attention)  # (k*n, p)
+        return (v[: x.shape[0]], v[x.shape[0] :]) if request.guided else (v, None)
+
+    scheduler = request_scheduler(request, prep.num_tokens, shift, prep.noise.device)
+    x = denoise(prep.noise, scheduler, velocities, request.guidance)
+    return decode(x, prep.grid, tuple(model.config.patch_size), vae)
 
 
 @torch.no_grad()
@@ -36,59 +180,58 @@ def generate(
     seed: int = 0,
     negative_prompt: str = "",
 ) -> list[torch.Tensor]:
-    """-> one (3, f, h, w) video in [-1, 1] per prompt. ``vae`` None means the model works in pixels."""
+    """-> one (3, f, h, w) video in [-1, 1] per prompt; prompt i uses seed ``seed + i``.
+    ``vae`` None means the model works in pixels."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
-    device = next(model.parameters()).device
-    patch = tuple(model.config.patch_size)
-    stride = (1, 1, 1) if vae is None else vae.stride
-    channels = model.config.in_channels
-    f, h, w = latent_shape(num_frames, height, width, stride)
-    if stride[0] > 1 and (num_frames - 1) % stride[0]:
-        raise ValueError(
-            f"frames={num_frames}: a causal video VAE with temporal stride {stride[0]} needs 1 + "
-            f"{stride[0]}k frames, e.g. {1 + (num_frames - 1) // stride[0] * stride[0]}"
-        )
-    if (h * stride[1], w * stride[2]) != (height, width):
-        raise ValueError(
-            f"height and width must be multiples of the VAE stride {stride[1:]}, got {height}x{width}"
-        )
-    check_divisible((f, h, w), patch, what="latent of the requested clip")
-    grid = (f // patch[0], h // patch[1], w // patch[2])
-    n = grid[0] * grid[1] * grid[2]
-    b = len(prompts)
+    requests = [
+        SampleRequest(i, p, num_frames, height, width, steps, guidance, seed + i, negative_prompt)
+        for i, p in enumerate(prompts)
+    ]
+    patch, stride = tuple(model.config.patch_size), model_stride(model, vae)
+    for r in requests:  # every shape checked before the first clip is sampled
+        request_grid(r, patch, stride)
+    return [sample_request(model, text_encoder, vae, r, shift) for r in requests]
 
-    guided = guidance != 1.0
-    captions = prompts + [negative_prompt] * b if guided else prompts
-    texts = [t.to(device, torch.float32) for t in text_encoder.encode(captions)]
-    text = torch.cat(texts)  # (l, d)
-    text_lens = torch.tensor([t.shape[0] for t in texts])
-    clips = len(captions)
-    seq_lens = torch.full((clips,), n)
-    positions = grid_positions(grid, device).repeat(clips, 1)  # (clips*n, 3)
-    attention = PackedAttention(seq_lens)
 
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=float(shift if shift is not None else shift_for_tokens(n))
+def check_requests(model, vae, requests: list[SampleRequest]) -> None:
+    """Every request's shape against the VAE stride and patch: one ValueError naming the first bad one."""
+    patch, stride = tuple(model.config.patch_size), model_stride(model, vae)
+    for r in requests:
+        request_grid(r, patch, stride)
+
+
+def output_path(out_dir: str | Path, request: SampleRequest, settings: str = "") -> Path:
+    """``<index>_<prompt>_seed<seed>_<key>.mp4``: the key changes with anything that changes the
+    clip (the request and ``settings``: model, shift, output options), so a rerun skips exactly the
+    clips it would write again."""
+    return (
+        Path(out_dir)
+        / f"{request.index:02d}_{slug(request.prompt)}_seed{request.seed}_{request.key(settings)}.mp4"
     )
-    scheduler.set_timesteps(steps, device=device)
-    g = torch.Generator().manual_seed(seed)
-    p = channels * patch[0] * patch[1] * patch[2]
-    x = torch.randn(b * n, p, generator=g).to(device)  # (b*n, p) noise of every prompt, packed
-    for t in scheduler.timesteps:
-        x_in = torch.cat([x, x]) if guided else x
-        v = model(x_in, positions, seq_lens, t.expand(clips).float(), text, text_lens, attention).float()
-        if guided:
-            v_cond, v_uncond = v.chunk(2)
-            v = v_uncond + guidance * (v_cond - v_uncond)
-        x = scheduler.step(v, t, x).prev_sample
 
-    videos = []
-    for tokens in x.split(n):
-        latent = unpatchify(tokens, grid, patch)  # (c, f, h, w)
-        video = latent if vae is None else vae.decode(latent[None])[0]
-        videos.append(video.clamp(-1, 1).cpu())
-    return videos
+
+def sample_queue(
+    model,
+    text_encoder,
+    vae,
+    requests: list[SampleRequest],
+    paths: dict,
+    shift,
+    fps: int = 8,
+    upscale: int = 1,
+) -> list[Path]:
+    """One process: each request whose file is not there yet, in queue order, written as it finishes
+    (a killed job keeps what it wrote); -> the paths written."""
+    written = []
+    todo = [r for r in requests if not paths[r.index].exists()]
+    if len(todo) < len(requests):
+        print(f"{len(requests) - len(todo)} of {len(requests)} clips already in place; sampling {len(todo)}")
+    for i, r in enumerate(todo, start=1):
+        video = sample_request(model, text_encoder, vae, r, shift)
+        written.append(write_video(video, paths[r.index], fps, upscale))
+        print(f"[{i}/{len(todo)}] {written[-1]}", flush=True)
+    return written
 
 
 def to_uint8_frames(video: torch.Tensor, upscale: int = 1) -> torch.Tensor:
@@ -122,18 +265,65 @@ def write_clips(
     """One .mp4 per prompt and (``grid``) one PNG of all frames, rows = prompts; -> the paths written.
 
     ``tag`` prefixes the names (the training step, for validation clips)."""
-    import imageio.v2 as imageio
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (prompt, video) in enumerate(zip(prompts, videos)):
         path = out / f"{tag}{i:02d}_{slug(prompt)}_seed{seed}.mp4"
-        frames = to_uint8_frames(video, upscale).numpy()
-        imageio.mimwrite(path, list(frames), fps=fps, codec="libx264", macro_block_size=1, quality=8)
-        paths.append(path)
+        paths.append(write_video(video, path, fps, upscale))
     if grid:
         path = out / f"{tag}grid_seed{seed}.png"
-        imageio.imwrite(path, frame_grid(videos, upscale).numpy())
-        paths.append(path)
+        paths.append(write_grid_png(frame_grid(videos, upscale), path))
     return paths
+
+
+PARTIAL_PREFIX = ".partial-"
+
+
+def remove_partials(out_dir: str | Path) -> int:
+    """Delete the temporary folders a killed job left in ``out_dir`` (never a finished clip); -> how
+    many. Call it before this job writes anything there."""
+    out = Path(out_dir)
+    stale = list(out.glob(PARTIAL_PREFIX + "*")) if out.is_dir() else []
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(stale)
+
+
+class _partial:
+    """A temporary path beside ``path`` (same name, in a hidden folder of the same directory) that
+    is renamed onto ``path`` on success: a killed job never leaves a truncated clip under its name."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=self.path.parent)
+        return Path(self.dir) / self.path.name  # same suffix: ffmpeg picks the container by it
+
+    def __exit__(self, kind, *_):
+        try:
+            if kind is None:
+                os.replace(Path(self.dir) / self.path.name, self.path)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def write_video(video: torch.Tensor, path: Path, fps: int = 8, upscale: int = 1) -> Path:
+    """(3, f, h, w) in [-1, 1] -> ``path`` (.mp4, H.264), written atomically."""
+    import imageio.v2 as imageio
+
+    frames = to_uint8_frames(video, upscale).numpy()
+    with _partial(Path(path)) as tmp:
+        imageio.mimwrite(tmp, list(frames), fps=fps, codec="libx264", macro_block_size=1, quality=8)
+    return Path(path)
+
+
+def write_grid_png(grid: torch.Tensor, path: Path) -> Path:
+    """(H, W, 3) uint8 -> ``path`` (.png), written atomically."""
+    import imageio.v2 as imageio
+
+    with _partial(Path(path)) as tmp:
+        imageio.imwrite(tmp, grid.numpy())
+    return Path(path)

@@ -1,6 +1,7 @@
 """Classifier-free guidance in dit/sampling.py: the velocity handed to the scheduler is
 v_uncond + guidance * (v_cond - v_uncond), the unconditional half uses the negative prompt, and
-guidance 1 runs one conditional copy only.
+guidance 1 runs one conditional copy only. Each prompt is its own request: one forward pass per
+step packs its two branches.
 
 A stand-in model whose velocity depends on the caption makes the two halves differ, and every call is
 recorded, so the mix is checked on the exact numbers the sampler combined.
@@ -69,10 +70,10 @@ def _run(monkeypatch, guidance: float, negative: str = ""):
 @pytest.mark.parametrize("guidance", [4.0, 0.0, -1.5])
 def test_guided_velocity_is_the_cfg_mix(monkeypatch, guidance):
     model, enc, handed, videos = _run(monkeypatch, guidance, negative="blurry")
-    assert enc.asked == [["a red ball", "two cats", "blurry", "blurry"]]
-    assert len(model.calls) == len(handed) == 3 and len(videos) == 2
+    assert enc.asked == [["a red ball", "blurry"], ["two cats", "blurry"]]
+    assert len(model.calls) == len(handed) == 2 * 3 and len(videos) == 2
     for (rows, clips, v), mixed in zip(model.calls, handed):
-        assert clips == 4 and rows == 2 * mixed.shape[0]  # both halves in one forward pass
+        assert clips == 2 and rows == 2 * mixed.shape[0]  # both halves in one forward pass
         v_cond, v_uncond = v.chunk(2)
         assert not torch.allclose(v_cond, v_uncond)  # so the mix is visible
         torch.testing.assert_close(mixed, v_uncond + guidance * (v_cond - v_uncond), rtol=0, atol=1e-6)
@@ -80,6 +81,6 @@ def test_guided_velocity_is_the_cfg_mix(monkeypatch, guidance):
 
 def test_guidance_one_runs_the_conditional_copy_alone(monkeypatch):
     model, enc, handed, _ = _run(monkeypatch, 1.0, negative="blurry")
-    assert enc.asked == [["a red ball", "two cats"]]
+    assert enc.asked == [["a red ball"], ["two cats"]]
     for (_rows, clips, v), mixed in zip(model.calls, handed):
-        assert clips == 2 and torch.equal(mixed, v)
+        assert clips == 1 and torch.equal(mixed, v)

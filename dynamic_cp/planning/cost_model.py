@@ -19,6 +19,11 @@ Efficiencies fall for small per-rank work: eff(n) = best * n / (n + half), so pa
 one micro-batch is cheaper than running them one by one. FLOP constants follow DESIGN.md: linear
 training = 3x forward, attention backward = 2.5x forward, bidirectional (no causal halving).
 
+Sampling (``forward_only=True``, ``CostModel.forward()``): the same terms for one forward pass: linear
+and attention FLOPs at their forward counts (factors 1), 4 Ulysses all-to-alls per layer instead of
+8, one ring pass of K/V instead of three, and a third of the fwd+bwd overheads (forward is about a
+third of a training step's work).
+
 Memory: model states (bf16 weights + fp32 master and Adam, optionally sharded over the data-parallel
 world as with FSDP/ZeRO) plus activations per token; ``token_cap`` is what fits per rank.
 """
@@ -172,14 +177,24 @@ def activation_bytes_per_token(dims: ModelDims, activation_checkpointing: bool =
 class CostModel:
     """Seconds per packed micro-batch and tokens per rank; see the module docstring for the formulas."""
 
-    def __init__(self, dims: ModelDims, hardware: Hardware, comm: str = "auto"):
+    def __init__(self, dims: ModelDims, hardware: Hardware, comm: str = "auto", forward_only: bool = False):
         if comm not in ("auto", "ulysses", "ring"):
             raise ValueError(f"comm={comm!r}; use 'auto', 'ulysses' or 'ring'")
         self.dims, self.hw, self.comm = dims, hardware, comm
+        self.forward_only = forward_only
+        lin, attn = (1.0, 1.0) if forward_only else (LINEAR_TRAIN, ATTN_TRAIN)
+        # all-to-alls per layer (q, k, v, out; backward as many again), ring K/V passes (backward 2
+        # more), and the share of the fwd+bwd overheads a pass pays
+        self._ulysses_calls, self._ring_passes = (4, 1) if forward_only else (8, 3)
+        self._overhead_share = 1 / LINEAR_TRAIN if forward_only else 1.0
         d, f, T, layers = dims.d, dims.ffn, dims.text_tokens, dims.layers
-        self._lin_per_token = LINEAR_TRAIN * layers * linear_flops_per_token(d, f)
-        self._text_per_clip = LINEAR_TRAIN * layers * text_kv_flops(T, d)
-        self._attn_coef = ATTN_TRAIN * layers * attention_flops(1, d)  # times (L^2 + L T)
+        self._lin_per_token = lin * layers * linear_flops_per_token(d, f)
+        self._text_per_clip = lin * layers * text_kv_flops(T, d)
+        self._attn_coef = attn * layers * attention_flops(1, d)  # times (L^2 + L T)
+
+    def forward(self) -> CostModel:
+        """This model priced for forward passes only (sampling): see the module docstring."""
+        return CostModel(self.dims, self.hw, self.comm, forward_only=True)
 
     @classmethod
     def from_dims(
@@ -257,14 +272,14 @@ class CostModel:
                 far = u > hw.gpus_per_node or (cross_node is True and r == 1)
                 bw = hw.inter_node_bandwidth if far else hw.intra_node_bandwidth
                 lat = hw.inter_node_latency_s if far else hw.intra_node_latency_s
-                t = t + 8 * layers * (lat * latency_share + per_rank * d * BYTES_BF16 * (u - 1) / u / bw)
+                t = t + self._ulysses_calls * layers * (lat * latency_share + per_rank * d * BYTES_BF16 * (u - 1) / u / bw)
             if r > 1:
                 far = cp > hw.gpus_per_node if cross_node is None else cross_node
                 bw = hw.inter_node_bandwidth if far else hw.intra_node_bandwidth
                 lat = hw.inter_node_latency_s if far else hw.intra_node_latency_s
                 # Each step passes K and V of this rank's share (after Ulysses): 2 * 2 bytes * n * d/u * u;
                 # backward passes K, V and their grads again: 3x the forward volume.
-                ring = 3 * layers * (r - 1) * (lat * latency_share + 4 * per_rank * d / bw)
+                ring = self._ring_passes * layers * (r - 1) * (lat * latency_share + 4 * per_rank * d / bw)
                 t = t + np.maximum(ring - attn_s, 0.0)  # ring overlaps with attention compute
             times.append(t)
         return layouts, np.stack(times)
@@ -336,7 +351,8 @@ class CostModel:
         for (c, x), idx in keys.items():
             idx = np.asarray(idx)
             comm[idx] = self._comm_time(tokens[idx], c, attn[idx], x)
-        out[sel] = self.hw.micro_batch_overhead_s + self.hw.clip_overhead_s * b + lin + attn + comm
+        overhead = (self.hw.micro_batch_overhead_s + self.hw.clip_overhead_s * b) * self._overhead_share
+        out[sel] = overhead + lin + attn + comm
         return out
 
     def sample_times(self, lengths, cp: int, packed_tokens: float) -> np.ndarray:
@@ -352,7 +368,8 @@ class CostModel:
         lin = self._lin_per_token * L / cp / rate + self._text_time(1)
         attn = self._attn_time(L, cp)
         comm = self._comm_time(L, cp, attn, None, latency_share=share)
-        return self.hw.micro_batch_overhead_s * share + self.hw.clip_overhead_s + lin + attn + comm
+        overhead = (self.hw.micro_batch_overhead_s * share + self.hw.clip_overhead_s) * self._overhead_share
+        return overhead + lin + attn + comm
 
     def ideal_time(self, lengths) -> np.ndarray:
         """Per-clip seconds at best efficiency, no communication, no overhead: the lower bound's unit."""
@@ -421,7 +438,7 @@ class CostModel:
             micro_batch_overhead_s=t.overhead,
             clip_overhead_s=t.clip_overhead,
         )
-        return CostModel(self.dims, learned, self.comm)
+        return CostModel(self.dims, learned, self.comm, self.forward_only)
 
     def scaled(self, factor: float) -> CostModel:
         """This cluster running ``factor`` times slower: every time this model gives, times ``factor``
@@ -439,7 +456,7 @@ class CostModel:
             micro_batch_overhead_s=hw.micro_batch_overhead_s * factor,
             clip_overhead_s=hw.clip_overhead_s * factor,
         )
-        return CostModel(self.dims, slower, self.comm)
+        return CostModel(self.dims, slower, self.comm, self.forward_only)
 
     # ---------------------------------------------------------------- memory
     def activation_bytes_per_token(self, activation_checkpointing: bool = False) -> float:

@@ -1,0 +1,119 @@
+"""What ``sample.py`` samples with: model, text encoder, VAE and default shift, from a training run
+(``--checkpoint``) or a diffusers-format Wan folder (``--pretrained``: ``transformer/``, ``vae/``,
+``text_encoder/``, ``tokenizer/``, ``scheduler/``, as the Wan-AI ``*-Diffusers`` repositories are
+laid out).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Sampler:
+    model: torch.nn.Module
+    text_encoder: object
+    vae: object | None  # None: the model works in pixels
+    shift: float | None  # the default sigma shift; None: by token count
+    out_dir: Path  # where clips go unless --out says otherwise
+    source: str  # what the weights are, for the output files' keys
+
+
+def load_checkpoint_sampler(
+    checkpoint: str, weights_kind: str, lora: str | None, lora_scale: float, device
+) -> Sampler:
+    import yaml
+
+    from dit.checkpoint import resolve_checkpoint
+    from dit.config import Config, from_dict
+    from dit.setup import build_text_encoder, build_vae
+
+    step_dir = resolve_checkpoint(checkpoint)
+    weights = step_dir / weights_kind
+    if not weights.is_dir():
+        raise ValueError(
+            f"{weights} does not exist; this checkpoint has no {weights_kind} weights, try --weights model"
+        )
+    cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
+    model = load_sampling_model(cfg, weights, lora, lora_scale).to(device).eval()
+    text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
+    vae = build_vae(cfg.data, device)
+    return Sampler(
+        model, text_encoder, vae, cfg.flow.shift, step_dir.parent.parent / "samples", str(weights.resolve())
+    )
+
+
+def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float):
+    """A checkpoint's weights (a LoRA run's: its base + the saved adapter), then ``lora`` on top."""
+    from dit import lora as lora_lib
+    from dit.model import VideoDiT
+    from dit.setup import build_model
+
+    if (weights / lora_lib.WEIGHT_NAME).is_file():  # a LoRA run saved only its adapter
+        torch.manual_seed(cfg.train.seed)  # a base without model.pretrained is the run's seeded init
+        model = build_model(cfg.model)  # the base it trained on
+        lora_lib.load_lora(model, weights, adapter_name="trained")
+        lora_lib.merge_lora(model)  # folded in, so that --lora below is the only adapter
+    else:
+        model = VideoDiT.from_pretrained(weights)
+    add_lora(model, lora, lora_scale)
+    return model
+
+
+def add_lora(model, lora: str | None, lora_scale: float) -> None:
+    if lora is not None:
+        from dit import lora as lora_lib
+
+        lora_lib.load_lora(model, lora)
+        lora_lib.set_lora_scale(model, lora_scale)
+
+
+def pretrained_shift(folder: Path) -> float | None:
+    """The ``flow_shift`` (or ``shift``) of the folder's scheduler config; None when it has none."""
+    config = folder / "scheduler" / "scheduler_config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text())
+    value = raw.get("flow_shift", raw.get("shift"))
+    return None if value is None else float(value)
+
+
+def load_pretrained_sampler(
+    folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512
+) -> Sampler:
+    """A Wan text-to-video pipeline folder: its transformer (``dit/wan_import.py``), its UMT5 text
+    encoder and tokenizer (``data/text_encoders.py``) and its Wan VAE (``data/vaes.py``)."""
+    from data.text_encoders import load_text_encoder
+    from data.vaes import load_vae
+    from dit.wan_import import load_pretrained
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(
+            f"--pretrained {folder} is not a folder; pass a diffusers Wan folder such as Wan2.1-T2V-1.3B-Diffusers"
+        )
+    missing = [p for p in ("transformer", "vae", "text_encoder", "tokenizer") if not (path / p).is_dir()]
+    if missing:
+        raise ValueError(
+            f"--pretrained {folder} lacks {', '.join(p + '/' for p in missing)}; pass a whole diffusers Wan "
+            "pipeline folder (transformer/, vae/, text_encoder/, tokenizer/), or a training run with --checkpoint"
+        )
+    model = load_pretrained(path).to(device).eval()
+    add_lora(model, lora, lora_scale)
+    text_encoder = load_text_encoder("umt5", path, max_length=text_max_length, device=str(device))
+    if text_encoder.dim != model.config.text_dim:
+        raise ValueError(
+            f"{path / 'text_encoder'} gives {text_encoder.dim}-wide embeddings but {path / 'transformer'} "
+            f"expects text_dim={model.config.text_dim}; the folder mixes parts of different models"
+        )
+    vae = load_vae("wan", path / "vae", device=str(device))
+    if vae.latent_channels != model.config.in_channels:
+        raise ValueError(
+            f"{path / 'vae'} makes {vae.latent_channels}-channel latents but {path / 'transformer'} takes "
+            f"in_channels={model.config.in_channels}; the folder mixes parts of different models"
+        )
+    return Sampler(model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()))

@@ -1,0 +1,232 @@
+"""Sampling planner: for each request of a queue, a CP group, whether its two CFG branches run on two
+groups at once (CFG-parallel), and an order; pure Python, priced by the training cost model run
+forward-only (``CostModel.forward()``).
+
+    plan = plan_sampling([SamplingJob(32_760, 50, True), ...], world_size=8, cost=CostModel.from_name("wan-14b").forward())
+    for p in plan.for_rank(rank): ...   # this rank's placements, in the order every rank agrees on
+
+A request of n tokens with guidance runs, per step, either one forward of both branches packed
+(2n tokens) on a group of c ranks, or (CFG-parallel) one forward of n tokens on each of two groups of
+c ranks, which then swap their outputs. Without guidance it is one forward of n tokens. Its time is
+steps x the cost model's micro-batch time; the options are every allowed CP size (aligned blocks,
+``groups_layout``), with and without CFG-parallel, whose tokens per rank fit in memory. A layout is
+the cost model's cheapest (Ulysses degrees divide the heads, by ``CostModel.cp_layout``).
+
+Choosing sizes is moldable-job scheduling. The planner tries every fixed option for all requests
+(what a launch-time degree does, list scheduled longest first on the blocks that free up first) and
+a moldable list schedule: longest first, each request takes the option and blocks that end it
+soonest, plus a charge for the rank-seconds it uses (several weights, from earliest finish to least
+rank-seconds). The shortest predicted makespan wins. So one long request gets all ranks, many short ones get one rank each, and the plan is never
+predicted slower than the best fixed degree. Every rank computes the same plan from the same input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynamic_cp.planning.cost_model import BYTES_BF16, CostModel, ModelDims
+from dynamic_cp.planning.groups_layout import blocks_of_size, normalize_cp_sizes
+
+
+@dataclass(frozen=True)
+class SamplingJob:
+    """One request as the planner sees it."""
+
+    tokens: int  # tokens of the clip (one branch)
+    steps: int
+    guided: bool  # runs an unconditional branch too
+    name: str = ""  # what errors call it ("queue.jsonl line 3")
+
+
+@dataclass(frozen=True)
+class Option:
+    cp: int  # ranks of one group
+    cfg_parallel: bool  # two groups of ``cp`` ranks, one branch each
+    seconds: float  # predicted time of the whole request
+
+    @property
+    def num_ranks(self) -> int:
+        return self.cp * (2 if self.cfg_parallel else 1)
+
+
+@dataclass(frozen=True)
+class Placement:
+    job: int  # index into the jobs
+    ranks: tuple[int, ...]  # the group of the conditional branch (of both when not CFG-parallel)
+    cfg_ranks: tuple[int, ...] | None  # the unconditional branch's group under CFG-parallel
+    layout: tuple[int, int]  # (ulysses, ring) degrees of each group
+    start: float  # predicted seconds from the start of the queue
+    end: float
+
+    @property
+    def all_ranks(self) -> tuple[int, ...]:
+        return self.ranks + (self.cfg_ranks or ())
+
+    @property
+    def owner(self) -> int:
+        """The rank that decodes and writes the clip."""
+        return self.ranks[0]
+
+
+@dataclass
+class SamplingPlan:
+    world_size: int
+    placements: list[Placement]  # in execution order (by predicted start)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def makespan(self) -> float:
+        return max((p.end for p in self.placements), default=0.0)
+
+    def for_rank(self, rank: int) -> list[Placement]:
+        return [p for p in self.placements if rank in p.all_ranks]
+
+    def latencies(self) -> list[float]:
+        """Predicted seconds from the start of the queue to each request's clip, by job index."""
+        return [p.end for p in sorted(self.placements, key=lambda p: p.job)]
+
+
+def sampling_token_cap(dims: ModelDims, memory_bytes: float, memory_fraction: float = 0.9) -> int:
+    """Tokens one rank can hold in a sampling forward: bf16 weights replicated, and the working set
+    of one block per token (nothing is kept for a backward)."""
+    free = memory_bytes * memory_fraction - BYTES_BF16 * dims.num_params
+    per_token = (16 * dims.d + 2 * dims.ffn) * BYTES_BF16
+    if free < per_token:
+        raise ValueError(
+            f"the model's bf16 weights ({BYTES_BF16 * dims.num_params / 1e9:.1f} GB) do not fit in "
+            f"{memory_bytes / 1e9:.0f} GB per rank; use larger GPUs"
+        )
+    return int(free // per_token)
+
+
+def _branch_lengths(job: SamplingJob, cfg_parallel: bool) -> list[int]:
+    """Clips of one group's forward: both branches packed, or one."""
+    return [job.tokens, job.tokens] if job.guided and not cfg_parallel else [job.tokens]
+
+
+def job_seconds(cost: CostModel, job: SamplingJob, cp: int, cfg_parallel: bool) -> float:
+    return job.steps * cost.micro_batch_time(_branch_lengths(job, cfg_parallel), cp)
+
+
+def job_options(
+    cost: CostModel, job: SamplingJob, world_size: int, cp_sizes, token_cap: int | None, cfg_parallel: bool
+) -> list[Option]:
+    """Every (CP size, CFG-parallel) the ranks and memory allow, cheapest rank-seconds first."""
+    options = []
+    for cp in cp_sizes:
+        for cfg in (False, True) if job.guided and cfg_parallel else (False,):
+            if cfg and len(blocks_of_size(world_size, cp)) < 2:
+                continue  # needs two disjoint groups of cp ranks
+            per_rank = sum(_branch_lengths(job, cfg)) / cp
+            if token_cap is not None and per_rank > token_cap:
+                continue
+            options.append(Option(cp, cfg, job_seconds(cost, job, cp, cfg)))
+    return sorted(options, key=lambda o: (o.seconds * o.num_ranks, o.seconds))
+
+
+def _candidate_blocks(
+    world_size: int, option: Option
+) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    blocks = blocks_of_size(world_size, option.cp)
+    if not option.cfg_parallel:
+        return [(b, None) for b in blocks]
+    return [(blocks[i], blocks[i + 1]) for i in range(0, len(blocks) - 1, 2)]
+
+
+def list_schedule(
+    cost: CostModel, jobs: list[SamplingJob], choice: list[Option], world_size: int
+) -> list[Placement]:
+    """Longest request first, each on the blocks of its option that are free first (lowest ranks on
+    ties); -> placements sorted by start (the execution order)."""
+    return moldable_schedule(cost, jobs, [[option] for option in choice], world_size, 0.0)
+
+
+MOLDABLE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def moldable_schedule(
+    cost: CostModel, jobs: list[SamplingJob], options: list[list[Option]], world_size: int, weight: float
+) -> list[Placement]:
+    """Longest request first (by its least rank-seconds option); each takes the (option, blocks)
+    minimising end + ``weight`` x rank-seconds / world size; -> placements sorted by start."""
+    free = [0.0] * world_size
+    placements = []
+    for j in sorted(range(len(jobs)), key=lambda j: (-options[j][0].seconds, j)):
+        best = None
+        for option in options[j]:
+            for ranks, cfg_ranks in _candidate_blocks(world_size, option):
+                start = max(free[r] for r in ranks + (cfg_ranks or ()))
+                score = start + option.seconds + weight * option.seconds * option.num_ranks / world_size
+                if best is None or score < best[0] - 1e-12:
+                    best = (score, start, option, ranks, cfg_ranks)
+        _, start, option, ranks, cfg_ranks = best
+        end = start + option.seconds
+        for r in ranks + (cfg_ranks or ()):
+            free[r] = end
+        layout = cost.layout(_branch_lengths(jobs[j], option.cfg_parallel), option.cp)
+        placements.append(Placement(j, ranks, cfg_ranks, layout, start, end))
+    return sorted(placements, key=lambda p: (p.start, p.ranks[0], p.job))
+
+
+def _makespan(placements: list[Placement]) -> float:
+    return max((p.end for p in placements), default=0.0)
+
+
+def plan_sampling(
+    jobs: list[SamplingJob],
+    world_size: int,
+    cost: CostModel,
+    token_cap: int | None = None,
+    cp_sizes=None,
+    cfg_parallel: bool = True,
+    fixed: tuple[int, bool] | None = None,
+) -> SamplingPlan:
+    """The plan for ``jobs`` on ``world_size`` ranks (see the module docstring).
+
+    cost: the cost model priced forward-only (``CostModel.forward()``).
+    token_cap: tokens one rank may hold in a forward (``sampling_token_cap``); None: no limit.
+    cp_sizes: allowed CP sizes (default: powers of two up to the world, and the world).
+    cfg_parallel: whether a guided request may split its branches over two groups.
+    fixed: (cp, cfg_parallel) for every request, as a launch-time degree does (a baseline).
+    """
+    if not cost.forward_only:
+        raise ValueError(
+            "plan_sampling prices forward passes: pass cost.forward(), not a training cost model"
+        )
+    sizes = normalize_cp_sizes(world_size, cp_sizes)
+    options = []
+    for i, job in enumerate(jobs):
+        opts = job_options(cost, job, world_size, sizes, token_cap, cfg_parallel)
+        if not opts:
+            need = sum(_branch_lengths(job, False)) / max(sizes)
+            raise ValueError(
+                f"{job.name or f'request {i}'}: {job.tokens:,} tokens a branch need {need:,.0f} tokens per rank "
+                f"even on all {max(sizes)} ranks, over the {token_cap:,} a rank holds; lower its frames, "
+                "height or width, or sample on more ranks"
+            )
+        options.append(opts)
+    if fixed is not None:
+        choice = []
+        for i, opts in enumerate(options):
+            match = [o for o in opts if (o.cp, o.cfg_parallel) == tuple(fixed)]
+            if not match:
+                raise ValueError(f"{jobs[i].name or f'request {i}'} cannot run on the fixed option {fixed}")
+            choice.append(match[0])
+        return SamplingPlan(
+            world_size, list_schedule(cost, jobs, choice, world_size), {"policy": f"fixed {fixed}"}
+        )
+    candidates = []
+    # every fixed option all requests can take: a dynamic plan is never predicted slower
+    shared = (
+        set.intersection(*({(o.cp, o.cfg_parallel) for o in opts} for opts in options)) if jobs else set()
+    )
+    for key in sorted(shared):
+        choice = [next(o for o in opts if (o.cp, o.cfg_parallel) == key) for opts in options]
+        candidates.append((f"fixed {key}", list_schedule(cost, jobs, choice, world_size)))
+    # moldable list scheduling: each request, longest first, takes the option and blocks that end it
+    # soonest, charged ``weight`` x its rank-seconds over the world (0: earliest finish, large:
+    # least rank-seconds, i.e. data parallel wherever it fits)
+    for weight in MOLDABLE_WEIGHTS:
+        candidates.append((f"moldable {weight}", moldable_schedule(cost, jobs, options, world_size, weight)))
+    policy, best = min(candidates, key=lambda c: _makespan(c[1]))  # first of equals: fixed, then greedy
+    return SamplingPlan(world_size, best, {"policy": policy})

@@ -1,0 +1,247 @@
+"""Multi-process sampling: ``torchrun --nproc_per_node N sample.py ...`` runs a queue on a plan.
+
+Every rank computes the same plan (``dynamic_cp/planning/sampling_planner.py``) and runs its
+placements in plan order; a placement starts when all its ranks are there, as a training
+micro-batch does (collectives block, so no barrier). Requests on disjoint groups run at once.
+
+One placement on one rank, per Euler step (``run_placement``), with n tokens a branch, c ranks a
+group and k branches in this group's forward (2 packed, or 1 under CFG-parallel or without guidance):
+    x (n, p), the same on every rank of the request
+    -repeat k, shard-> (k*n/c, p) -DiT with training's CP attention-> (k*n/c, p) velocity shard
+    -all_gather in the group-> (k*n, p)
+    -CFG-parallel only: swap with the same group rank of the other branch's group-> v_cond, v_uncond
+    -mix, Euler step on the full x-> x (n, p), again the same on every rank
+so every rank of a request holds the same x after each step, and the clip equals the one-process
+clip up to the float rounding of the sharded forward. Text is encoded on every rank of the request
+(one call for both captions, as in one process); the owner (the first rank of the conditional
+group) decodes with the VAE and writes the mp4.
+
+Legend: n = tokens of one branch, p = patch values, k = branches in one forward, c = CP group size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dit.sample_requests import SampleRequest
+from dit.sampling import (
+    branch_velocity,
+    decode,
+    denoise,
+    prepare,
+    request_grid,
+    request_scheduler,
+    write_video,
+)
+from dynamic_cp.attention.cp_attention import make_cp_attention
+from dynamic_cp.attention.sharding import gather_shards
+from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+from dynamic_cp.planning.sampling_planner import (
+    Placement,
+    SamplingJob,
+    SamplingPlan,
+    plan_sampling,
+    sampling_token_cap,
+)
+from dynamic_cp.runtime.groups import CPGroups, build_cp_groups
+
+
+@contextlib.contextmanager
+def sampling_world():
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) for the ``with`` block; yields
+    this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # ranks share the machine's cores; oversubscribed threads only slow gloo down
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def request_tokens(model, vae, request: SampleRequest) -> int:
+    patch = tuple(model.config.patch_size)
+    stride = (1, 1, 1) if vae is None else tuple(vae.stride)
+    f, h, w = request_grid(request, patch, stride)
+    return f * h * w
+
+
+def sampling_cost_model(
+    model, device: torch.device, world: dist.ProcessGroup, hardware: str | None
+) -> CostModel:
+    """The training cost model for this model priced forward-only: ``hardware`` (a profile name or
+    path), else the profile training's ``parallel.hardware=auto`` would start from."""
+    text_tokens = model.config.text_pad_len or 64
+    dims = ModelDims.from_config(model.config, text_tokens=text_tokens)
+    if hardware is not None:
+        hw = Hardware.load(hardware)
+    else:
+        from dynamic_cp.runtime.auto_hardware import auto_hardware
+
+        hw = auto_hardware(dims, device, world)
+    return CostModel(dims, hw).forward()
+
+
+def _exchange(v: torch.Tensor, partner: int) -> torch.Tensor:
+    """Swap ``v`` with the global rank ``partner`` (the same position in the other branch's group):
+    one send and one receive of equal shapes."""
+    other = torch.empty_like(v)
+    ops = [dist.P2POp(dist.isend, v.contiguous(), partner), dist.P2POp(dist.irecv, other, partner)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return other
+
+
+@torch.no_grad()
+def run_placement(
+    model, text_encoder, vae, request: SampleRequest, placement: Placement, groups: CPGroups, shift
+) -> torch.Tensor | None:
+    """Sample ``request`` on this rank's part of ``placement``; -> the video on the owner, else None."""
+    rank = groups.rank
+    prep = prepare(model, text_encoder, vae, request)
+    n = prep.num_tokens
+    cfg = placement.cfg_ranks is not None
+    cond_side = rank in placement.ranks
+    ranks = placement.ranks if cond_side else placement.cfg_ranks
+    texts = prep.texts[:1] if cfg and cond_side else prep.texts[1:] if cfg else prep.texts
+    u, r = placement.layout
+    group = groups.get(ranks)
+    sub_groups = groups.sub_groups(ranks, u) if u > 1 and r > 1 else None
+    heads = model.config.num_attention_heads
+    attention, info = make_cp_attention(
+        group, [n] * len(texts), num_heads=heads, layout=(u, r), sub_groups=sub_groups
+    )
+    token_range = (info.start, info.end) if group is not None else None
+    if cfg:  # the rank at this rank's place in the other branch's group
+        other = placement.cfg_ranks if cond_side else placement.ranks
+        partner = other[ranks.index(rank)]
+
+    def velocities(x, t):
+        v = branch_velocity(model, x, t, prep.positions, texts, attention, token_range)  # (k*n/c, p)
+        if group is not None:
+            v = gather_shards(v, group, info)  # (k*n, p)
+        if cfg:
+            theirs = _exchange(v, partner)
+            return (v, theirs) if cond_side else (theirs, v)
+        return (v[:n], v[n:]) if request.guided else (v, None)
+
+    scheduler = request_scheduler(request, n, shift, prep.noise.device)
+    x = denoise(prep.noise, scheduler, velocities, request.guidance)
+    if rank != placement.owner:
+        return None
+    return decode(x, prep.grid, tuple(model.config.patch_size), vae)
+
+
+def run_plan(
+    model,
+    text_encoder,
+    vae,
+    requests: list[SampleRequest],
+    plan: SamplingPlan,
+    groups: CPGroups,
+    shift,
+    on_done,
+) -> None:
+    """This rank's placements of ``plan`` (its jobs index ``requests``) in plan order; the owner of
+    each calls ``on_done(request, video, placement, seconds)``."""
+    for placement in plan.for_rank(groups.rank):
+        request = requests[placement.job]
+        t0 = time.perf_counter()
+        video = run_placement(model, text_encoder, vae, request, placement, groups, shift)
+        if video is not None:
+            on_done(request, video, placement, time.perf_counter() - t0)
+
+
+def plan_queue(
+    model,
+    vae,
+    requests: list[SampleRequest],
+    world_size: int,
+    cost: CostModel,
+    memory_bytes: float | None,
+    cfg_parallel: bool,
+) -> SamplingPlan:
+    jobs = [SamplingJob(request_tokens(model, vae, r), r.steps, r.guided, r.label()) for r in requests]
+    cap = None if memory_bytes is None else sampling_token_cap(cost.dims, memory_bytes)
+    return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel)
+
+
+def check_memory(model, vae, requests: list[SampleRequest], memory_bytes: float) -> None:
+    """One process: a ValueError naming the first request whose forward does not fit
+    ``memory_bytes`` (the planner's check on a world of one rank)."""
+    dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
+    plan_queue(model, vae, requests, 1, CostModel(dims, Hardware.load("h100")).forward(), memory_bytes, True)
+
+
+def device_memory(device: torch.device, memory_gb: float | None) -> float | None:
+    """Bytes a rank may plan for: ``memory_gb`` when given, else the GPU's; None (no limit) on CPU."""
+    if memory_gb is not None:
+        return memory_gb * 1e9
+    return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+
+
+def sample_queue_distributed(
+    sampler,
+    requests: list[SampleRequest],
+    paths: dict,
+    shift,
+    fps: int,
+    upscale: int,
+    cfg_parallel: bool,
+    hardware: str | None,
+    memory_gb: float | None = None,
+) -> list:
+    """``sample.py`` under torchrun: plan the requests whose clips are not written yet, run them and
+    write each on its owner. Every rank returns the paths it wrote."""
+    world = dist.group.WORLD
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # rank 0 decides what is left (a rank that looked later could see a clip another rank has
+    # just written, and plan a different queue)
+    todo = [[r.index for r in requests if not paths[r.index].exists()]] if rank == 0 else [None]
+    dist.broadcast_object_list(todo, src=0)
+    todo_requests = [r for r in requests if r.index in set(todo[0])]
+    if rank == 0 and len(todo_requests) < len(requests):
+        print(
+            f"{len(requests) - len(todo_requests)} of {len(requests)} clips already in place; sampling {len(todo_requests)}"
+        )
+    model = sampler.model
+    device = next(model.parameters()).device
+    cost = sampling_cost_model(model, device, world, hardware)
+    memory = device_memory(device, memory_gb)
+    plan = plan_queue(model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel)
+    groups = build_cp_groups(world, None, splits=cost.cp_layout)
+    if rank == 0:
+        sizes = sorted({len(p.all_ranks) for p in plan.placements})
+        print(
+            f"plan: {len(plan.placements)} requests on {world_size} ranks ({plan.info.get('policy')}; ranks a "
+            f"request: {sizes}), predicted {plan.makespan:.1f} s by the {cost.hw.name} profile",
+            flush=True,
+        )
+    written = []
+
+    def on_done(request, video, placement, seconds):
+        path = write_video(video, paths[request.index], fps, upscale)
+        written.append(path)
+        where = f"ranks {placement.ranks}" + (
+            f" + {placement.cfg_ranks} (CFG-parallel)" if placement.cfg_ranks else ""
+        )
+        print(
+            f"[rank {rank}] {request.label()} on {where}, layout {placement.layout}: {seconds:.1f} s -> {path}",
+            flush=True,
+        )
+
+    run_plan(model, sampler.text_encoder, sampler.vae, todo_requests, plan, groups, shift, on_done)
+    dist.barrier()  # every clip is written before any rank reports success
+    return written

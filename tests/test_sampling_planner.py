@@ -1,0 +1,115 @@
+"""The sampling planner (dynamic_cp/planning/sampling_planner.py), pure Python: what it gives one long
+clip and many short ones, layouts that respect the heads, memory, and plans never predicted slower
+than a fixed degree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dynamic_cp.planning.cost_model import CostModel, ModelDims
+from dynamic_cp.planning.sampling_planner import SamplingJob, plan_sampling, sampling_token_cap
+
+WAN14 = CostModel.from_name("wan-14b", "h100").forward()
+CAP = sampling_token_cap(WAN14.dims, WAN14.hw.memory_bytes)
+T720, T480 = 75_600, 32_760  # 81 frames; DESIGN.md's token table
+
+
+def _check_plan(plan, jobs):
+    assert sorted(p.job for p in plan.placements) == list(range(len(jobs)))
+    by_rank = {}
+    for p in plan.placements:
+        assert len(set(p.all_ranks)) == len(p.all_ranks)
+        for r in p.all_ranks:
+            by_rank.setdefault(r, []).append((p.start, p.end))
+    for spans in by_rank.values():  # a rank runs one request at a time, in plan order
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+
+
+def test_forward_only_prices_a_third_of_training_or_less():
+    train = CostModel.from_name("wan-14b", "h100")
+    for lengths, cp in (([T720], 8), ([1560] * 4, 1), ([T480, T480], 4)):
+        fwd = WAN14.micro_batch_time(lengths, cp)
+        assert fwd < train.micro_batch_time(lengths, cp) / 2.5
+
+
+def test_one_long_clip_gets_every_rank():
+    jobs = [SamplingJob(T720, 50, True)]
+    plan = plan_sampling(jobs, 8, WAN14, CAP)
+    (p,) = plan.placements
+    assert sorted(p.all_ranks) == list(range(8))
+
+
+def test_many_short_clips_get_one_rank_each():
+    jobs = [SamplingJob(1560, 50, True) for _ in range(16)]
+    plan = plan_sampling(jobs, 8, WAN14, CAP)
+    _check_plan(plan, jobs)
+    assert all(len(p.all_ranks) == 1 for p in plan.placements)
+
+
+def test_ulysses_degrees_divide_the_heads():
+    dims = ModelDims(d=12 * 64, layers=4, ffn=3072, heads=12)  # 12 heads: Ulysses 8 never fits
+    cost = CostModel(dims, WAN14.hw).forward()
+    jobs = [SamplingJob(t, 20, g) for t, g in ((200_000, True), (90_000, False), (5_000, True))]
+    for ws in (3, 6, 8):
+        plan = plan_sampling(jobs, ws, cost)
+        for p in plan.placements:
+            u, r = p.layout
+            assert u * r == len(p.ranks) and dims.heads % u == 0
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_dynamic_is_never_predicted_slower_than_a_fixed_degree(world_size):
+    rng = random.Random(world_size)
+    jobs = [
+        SamplingJob(rng.choice([T480, T720]) * rng.choice([9, 13, 17, 21]) // 21, 50, rng.random() < 0.9)
+        for _ in range(40)
+    ]
+    plan = plan_sampling(jobs, world_size, WAN14, CAP)
+    _check_plan(plan, jobs)
+    fixed = [
+        (c, cfg) for c in (1, 2, 4, 8, 16, 32, 64) for cfg in (False, True) if c * (1 + cfg) <= world_size
+    ]
+    for option in fixed:
+        try:
+            base = plan_sampling(jobs, world_size, WAN14, CAP, fixed=option)
+        except ValueError:
+            continue  # unguided requests cannot split their branches
+        assert plan.makespan <= base.makespan * (1 + 1e-9), option
+    assert plan_sampling(jobs, world_size, WAN14, CAP).placements == plan.placements  # deterministic
+
+
+def test_a_request_that_fits_nowhere_names_itself_and_what_to_lower():
+    small = sampling_token_cap(WAN14.dims, 40e9)
+    jobs = [SamplingJob(1560, 10, True), SamplingJob(118_800 * 8, 10, True, "queue.jsonl line 2")]
+    with pytest.raises(
+        ValueError, match=r"queue.jsonl line 2: 950,400 tokens .* lower its frames, height or width"
+    ):
+        plan_sampling(jobs, 8, WAN14, small)
+
+
+def test_cfg_parallel_off_keeps_branches_together():
+    jobs = [SamplingJob(T720, 50, True), SamplingJob(T480, 50, True)]
+    plan = plan_sampling(jobs, 8, WAN14, CAP, cfg_parallel=False)
+    assert all(p.cfg_ranks is None for p in plan.placements)
+
+
+def test_a_training_cost_model_is_refused():
+    with pytest.raises(ValueError, match="cost.forward()"):
+        plan_sampling([SamplingJob(100, 1, False)], 2, CostModel.from_name("wan-1.3b"))
+
+
+def test_cfg_parallel_requests_wait_for_both_groups():
+    # unguided requests leave rank 1 busier than rank 0 (free at 34 s and 30 s); the CFG-parallel
+    # request, conditional branch on rank 0, must wait for rank 1 too
+    from dynamic_cp.planning.sampling_planner import Option, list_schedule
+
+    seconds = [30.0, 10.0, 9.0, 8.0, 7.0]
+    jobs = [SamplingJob(1000, 1, False) for _ in seconds] + [SamplingJob(1000, 1, True)]
+    choice = [Option(1, False, s) for s in seconds] + [Option(1, True, 5.0)]
+    placements = list_schedule(WAN14, jobs, choice, 2)
+    _check_plan(type("Plan", (), {"placements": placements})(), jobs)
+    (cfg,) = [p for p in placements if p.cfg_ranks]
+    assert (cfg.ranks, cfg.cfg_ranks, cfg.start) == ((0,), (1,), 34.0)
