@@ -175,7 +175,9 @@ def test_mixed_precision_policy_and_memory_per_rank(monkeypatch):
 def test_auto_prices_a_lora_run_with_its_adapter_ema():
     from dynamic_cp.planning.memory import memory_breakdown
 
-    cfg = load_config(None, ["model.lora={rank: 8}", "train.ema_decay=0.9", "model.gradient_checkpointing=true"])
+    cfg = load_config(
+        None, ["model.lora={rank: 8}", "train.ema_decay=0.9", "model.gradient_checkpointing=true"]
+    )
     dims = fsdp.model_dims_of(cfg)
     mode, expected, cap = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
     want = memory_breakdown(dims, "lora", 4, cap, True, ema=True, lora_rank=8)

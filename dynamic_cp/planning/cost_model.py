@@ -272,7 +272,9 @@ class CostModel:
                 far = u > hw.gpus_per_node or (cross_node is True and r == 1)
                 bw = hw.inter_node_bandwidth if far else hw.intra_node_bandwidth
                 lat = hw.inter_node_latency_s if far else hw.intra_node_latency_s
-                t = t + self._ulysses_calls * layers * (lat * latency_share + per_rank * d * BYTES_BF16 * (u - 1) / u / bw)
+                t = t + self._ulysses_calls * layers * (
+                    lat * latency_share + per_rank * d * BYTES_BF16 * (u - 1) / u / bw
+                )
             if r > 1:
                 far = cp > hw.gpus_per_node if cross_node is None else cross_node
                 bw = hw.inter_node_bandwidth if far else hw.intra_node_bandwidth

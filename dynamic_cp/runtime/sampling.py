@@ -22,9 +22,7 @@ Legend: n = tokens of one branch, p = patch values, k = branches in one forward,
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,21 +48,14 @@ from dynamic_cp.planning.sampling_planner import (
     sampling_token_cap,
 )
 from dynamic_cp.runtime.groups import CPGroups, build_cp_groups
+from dynamic_cp.runtime.torchrun import init_torchrun
 
 
 @contextlib.contextmanager
 def sampling_world():
     """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) for the ``with`` block; yields
     this rank's device."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        # ranks share the machine's cores; oversubscribed threads only slow gloo down
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    device = init_torchrun()
     try:
         yield device
     finally:

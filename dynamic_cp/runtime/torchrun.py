@@ -14,7 +14,9 @@ import torch.distributed as dist
 from dynamic_cp.runtime.timeouts import nccl_flight_recorder_env
 
 
-def init_torchrun(timeout: timedelta = timedelta(minutes=30), flight_recorder_dir: str | None = None) -> torch.device:
+def init_torchrun(
+    timeout: timedelta = timedelta(minutes=30), flight_recorder_dir: str | None = None
+) -> torch.device:
     """Initialize the default process group from torchrun's environment; -> this rank's device.
 
     flight_recorder_dir: where NCCL's flight recorder dumps its trace when a collective times out
