@@ -1,0 +1,213 @@
+"""Wan2.1 image-to-video (I2V-14B, FLF2V-14B): architecture, import/export and parity with diffusers.
+
+The official configs are built on the meta device and compared name by name with diffusers'. Small
+random I2V and FLF2V models are imported; every clip of a packed batch, each with its own image
+tokens, must match diffusers' WanTransformer3DModel on that clip alone, outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from diffusers import WanTransformer3DModel
+
+from dit.attention import PackedAttention
+from dit.model import VideoDiT
+from dit.packing import pack, unpack
+from dit.sizes import MODEL_SIZES, model_kwargs
+from dit.wan_import import (
+    _check_names,
+    _empty_model,
+    export_wan,
+    import_wan_state_dict,
+    load_pretrained,
+    videodit_config,
+    wan_config,
+)
+
+# transformer/config.json of Wan-AI/Wan2.1-I2V-14B-{480P,720P}-Diffusers and Wan2.1-FLF2V-14B-720P-Diffusers
+# (diffusers' scripts/convert_wan_to_diffusers.py), with their parameter counts in billions.
+I2V_14B = dict(
+    patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=36, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=1280, added_kv_proj_dim=5120, rope_max_seq_len=1024,
+)  # fmt: skip
+OFFICIAL = {
+    "wan-i2v-14b": (I2V_14B, 16.395),
+    "wan-flf2v-14b": ({**I2V_14B, "pos_embed_seq_len": 2 * 257}, 16.396),
+}
+
+# Wan's text length: diffusers' I2V attention processor splits image from text tokens as "all but
+# the last 512", so the reference must get captions padded to exactly 512.
+TEXT_LEN = 512
+TEXT_DIM = 16
+IMAGE_DIM = 12
+IMAGE_TOKENS = 5  # per image (CLIP ViT-H/14 gives 257)
+SMALL = dict(
+    patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=12, in_channels=9, out_channels=4,
+    text_dim=TEXT_DIM, freq_dim=32, ffn_dim=40, num_layers=2, image_dim=IMAGE_DIM, added_kv_proj_dim=36,
+)  # fmt: skip
+SMALL_CASES = {"i2v": SMALL, "flf2v": {**SMALL, "pos_embed_seq_len": 2 * IMAGE_TOKENS}}
+CLIP_SHAPES = [(9, 3, 6, 10), (9, 1, 4, 2), (9, 5, 2, 6)]  # (c, f, h, w): odd frames, none square
+CAPTION_LENS = [5, 8, 1]
+TIMESTEPS = [999.0, 1.0, 437.5]
+
+
+# ----------------------------------------------------------------------------- architecture
+
+
+@pytest.mark.parametrize("size", OFFICIAL)
+def test_official_configs_match_diffusers_on_meta_device(size):
+    config, billions = OFFICIAL[size]
+    with init_empty_weights():
+        wan = WanTransformer3DModel(**config)
+    shapes = {k: tuple(v.shape) for k, v in wan.state_dict().items()}
+    model = _empty_model(model_kwargs(size))  # the named size, not the importer's mapping
+    assert sorted(_check_names(model, shapes, size)) == sorted(shapes)  # same names, and shapes
+    count = sum(p.numel() for p in model.parameters())
+    assert count == sum(p.numel() for p in wan.parameters())
+    assert round(count / 1e9, 3) == billions
+    # the importer maps the published config to the same model...
+    imported = videodit_config(config)
+    assert all(imported[k] == v for k, v in MODEL_SIZES[size].items())
+    # ...and the exported config.json rebuilds the same WanTransformer3DModel
+    exported = wan_config(model)
+    with init_empty_weights():
+        rebuilt = WanTransformer3DModel(**{k: v for k, v in exported.items() if not k.startswith("_")})
+    assert {k: v for k, v in rebuilt.config.items() if not k.startswith("_")} == {
+        k: v for k, v in wan.config.items() if not k.startswith("_")
+    }
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"image_dim": 12, "added_kv_proj_dim": None}, "set both"),
+        ({"added_kv_proj_dim": 24}, "must equal the width"),
+        ({"pos_embed_seq_len": 9}, "even value"),
+    ],
+)
+def test_bad_image_fields(change, match):
+    with pytest.raises(ValueError, match=match):
+        VideoDiT(**{**SMALL, **change})
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def make_wan(name: str) -> WanTransformer3DModel:
+    torch.manual_seed(len(name))
+    wan = WanTransformer3DModel(**SMALL_CASES[name]).eval()
+    with torch.no_grad():  # diffusers starts pos_embed at zero: random values test how it is added
+        for p in wan.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return wan
+
+
+def make_batch(name: str):
+    """Clips, captions, timesteps and (b, m, image_dim) image tokens; FLF2V's m holds two images."""
+    gen = torch.Generator().manual_seed(7)
+    clips = [torch.randn(*shape, generator=gen) for shape in CLIP_SHAPES]
+    texts = [torch.randn(n, TEXT_DIM, generator=gen) for n in CAPTION_LENS]
+    images = torch.randn(
+        len(clips), SMALL_CASES[name].get("pos_embed_seq_len") or IMAGE_TOKENS, IMAGE_DIM, generator=gen
+    )
+    return clips, texts, torch.tensor(TIMESTEPS), images
+
+
+def diffusers_per_clip(wan, clips, texts, timesteps, images) -> list[torch.Tensor]:
+    """diffusers on each clip alone, its caption zero-padded to 512 as the Wan pipeline pads it."""
+    outs = []
+    for clip, text, t, image in zip(clips, texts, timesteps, images):
+        padded = torch.cat([text, text.new_zeros(TEXT_LEN - text.shape[0], TEXT_DIM)])
+        if wan.config.pos_embed_seq_len:  # the pipeline passes FLF2V's two images as two rows
+            image = image.unflatten(0, (2, -1))
+        else:
+            image = image[None]
+        outs.append(wan(clip[None], t[None], padded[None], encoder_hidden_states_image=image).sample[0])
+    return outs
+
+
+def ours_packed(model, clips, texts, timesteps, images) -> list[torch.Tensor]:
+    packed = pack(clips, model.patch_size)
+    text, text_lens = torch.cat(texts), torch.tensor([t.shape[0] for t in texts])
+    out = model(packed.tokens, packed.positions, packed.seq_lens, timesteps, text, text_lens,
+                PackedAttention(packed.seq_lens), image=images)  # fmt: skip
+    return unpack(packed, out, model.patch_size)
+
+
+@pytest.mark.parametrize("name", SMALL_CASES)
+def test_packed_clips_match_diffusers_outputs_and_gradients(name):
+    wan = make_wan(name)
+    model = import_wan_state_dict(wan.config, {k: v.clone() for k, v in wan.state_dict().items()})
+    model.train(), wan.train()  # dropout is 0 in both; train() only to mirror fine-tuning
+    clips, texts, timesteps, images = make_batch(name)
+    weights = [
+        torch.randn(4, *c.shape[1:], generator=torch.Generator().manual_seed(i)) for i, c in enumerate(clips)
+    ]
+
+    ours = ours_packed(model, clips, texts, timesteps, images)
+    refs = diffusers_per_clip(wan, clips, texts, timesteps, images)
+    # fp32 outputs of O(1) after 2 blocks: both sides compute the same sums in different orders (fused
+    # vs separate projections, packed vs padded attention), ~1e-7 relative per op over a few dozen ops
+    # in sequence, so 1e-5 absolute leaves a 10x margin and still catches any wrong weight, mask or
+    # image routing (those move outputs by >1e-2).
+    for got, want in zip(ours, refs):
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= 1e-5
+
+    sum((o * w).sum() for o, w in zip(ours, weights)).backward()
+    sum((r * w).sum() for r, w in zip(refs, weights)).backward()
+    ours_params = dict(model.named_parameters())
+    grads = {}
+    for key, p in wan.named_parameters():
+        grad = ours_params[key].grad
+        if key == "patch_embedding.weight":  # (D, pt*ph*pw*c) -> (D, c, pt, ph, pw)
+            grad = grad.reshape(grad.shape[0], *model.patch_size, -1).permute(0, 4, 1, 2, 3)
+        grads[key] = (grad, p.grad)
+    # Backward rounds at the size of the signals flowing through it, not of each result: a parameter's
+    # gradient may be a small difference of large terms summed over all 3 x 512 text rows (the text
+    # to_k bias: softmax nearly cancels a shift of all keys), so the allowance is 1e-5 of the largest
+    # gradient entry G of the model (fp32 rounding, ~1e-7 relative per op, stays ~1e-6 G after a
+    # few dozen ops; G ~ 50 here). A mis-routed image, mask or weight moves gradients by >1e-2 G.
+    largest = max(float(ref.abs().max()) for _, ref in grads.values())
+    for key, (grad, ref) in grads.items():
+        assert float((grad - ref).abs().max()) <= 1e-5 * largest, key
+    assert grads["blocks.1.attn2.add_k_proj.weight"][1].abs().max() > 0  # the image path is trained
+
+
+def test_image_is_required_and_checked():
+    model = VideoDiT(**SMALL)
+    clips, texts, timesteps, images = make_batch("i2v")
+    with pytest.raises(ValueError, match="image-conditioned.*--image PATH"):
+        ours_packed(model, clips, texts, timesteps, None)
+    with pytest.raises(ValueError, match=r"expected \(3, tokens, 12\)"):
+        ours_packed(model, clips, texts, timesteps, images[:2])
+    flf2v = VideoDiT(**SMALL_CASES["flf2v"])
+    with pytest.raises(ValueError, match=r"expected \(3, 10, 12\).*first and last"):
+        ours_packed(flf2v, clips, texts, timesteps, images)
+    t2v = VideoDiT(**{k: v for k, v in SMALL.items() if k not in ("image_dim", "added_kv_proj_dim")})
+    with pytest.raises(ValueError, match="text-to-video model"):
+        ours_packed(t2v, [c[:4] for c in clips], texts, timesteps, images)
+
+
+# ----------------------------------------------------------------------------- import / export
+
+
+@pytest.mark.parametrize("name", SMALL_CASES)
+def test_sharded_export_loads_in_diffusers_and_reimports_bitwise(tmp_path, name):
+    wan = make_wan(name)
+    wan.save_pretrained(tmp_path / "pipe" / "transformer", max_shard_size="20KB")  # sharded
+    model = load_pretrained(tmp_path / "pipe")
+    export_wan(model, tmp_path / "out", max_shard_bytes=30_000)
+    assert (tmp_path / "out" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    back = WanTransformer3DModel.from_pretrained(tmp_path / "out")
+    assert back.config.image_dim == IMAGE_DIM and back.config.pos_embed_seq_len == SMALL_CASES[name].get(
+        "pos_embed_seq_len"
+    )
+    for (k, a), (k2, b) in zip(sorted(back.state_dict().items()), sorted(wan.state_dict().items())):
+        assert k == k2 and torch.equal(a, b), k
+    again = load_pretrained(tmp_path / "out")
+    for k, v in model.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
