@@ -211,3 +211,65 @@ def test_sharded_export_loads_in_diffusers_and_reimports_bitwise(tmp_path, name)
     again = load_pretrained(tmp_path / "out")
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def _diffusers_i2v_with_lora(wan, folder) -> set[str]:
+    """What WanImageToVideoPipeline.load_lora_weights(folder) does; returns the adapter's keys."""
+    from diffusers import WanImageToVideoPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    state, metadata = WanImageToVideoPipeline.lora_state_dict(str(folder), return_lora_metadata=True)
+    state = WanImageToVideoPipeline._maybe_expand_t2v_lora_for_i2v(wan, state)
+    WanImageToVideoPipeline.load_lora_into_transformer(state, transformer=wan, metadata=metadata)
+    (adapter,) = wan.peft_config  # diffusers names it default_0
+    return set(get_peft_model_state_dict(wan, adapter_name=adapter)), {
+        k.removeprefix("transformer.") for k in state
+    }
+
+
+def _random_lora(model, targets, seed=3):
+    from dit import lora
+    from dit.config import LoraSettings
+
+    lora.add_lora(model, lora.peft_config(LoraSettings(rank=2, alpha=4, target_modules=targets)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(model):
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize("kind", ["i2v-lora", "t2v-lora"])
+def test_lora_loads_into_diffusers_i2v_without_missing_keys(tmp_path, kind):
+    """An I2V LoRA trained here (image K/V targeted too), and a T2V LoRA (no image K/V: diffusers adds
+    zero ones), load here and into diffusers' I2V model with the same keys and the same outputs."""
+    from dit import lora
+
+    wan = make_wan("i2v")
+    clips, texts, timesteps, images = make_batch("i2v")
+    if kind == "i2v-lora":
+        source = import_wan_state_dict(wan.config, {k: v.clone() for k, v in wan.state_dict().items()})
+        _random_lora(source, ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.2"])
+    else:  # the same widths without image conditioning: a Wan2.1-T2V-14B LoRA on I2V-14B in miniature
+        t2v = {k: v for k, v in SMALL.items() if k not in ("image_dim", "added_kv_proj_dim")}
+        source = VideoDiT(**{**t2v, "in_channels": 4})
+        _random_lora(source, ["to_q", "to_k", "to_v", "to_out.0"])
+    lora.save_lora(source, tmp_path / "lora")
+
+    ours = import_wan_state_dict(wan.config, {k: v.clone() for k, v in wan.state_dict().items()}).eval()
+    with torch.no_grad():
+        base = ours_packed(ours, clips, texts, timesteps, images)
+    lora.load_lora(ours, tmp_path / "lora")
+    live, file = _diffusers_i2v_with_lora(wan, tmp_path / "lora")
+    assert live == file  # no missing, no unexpected keys
+    ours_keys = {k.replace(".default", "") for k, _ in ours.named_parameters() if ".lora_" in k}
+    assert ours_keys == live
+    assert any("add_k_proj" in k for k in live)  # the image K/V carry adapters (zero ones for T2V)
+    with torch.no_grad():
+        got = ours_packed(ours, clips, texts, timesteps, images)
+        want = diffusers_per_clip(wan, clips, texts, timesteps, images)
+    for g, w, b in zip(got, want, base):
+        assert float((g - w).abs().max()) <= 1e-5  # the output tolerance derived above
+        assert float((g - b).abs().max()) > 1e-3  # the LoRA changes the output
