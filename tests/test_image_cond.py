@@ -66,3 +66,28 @@ def test_join_condition_is_patchify_of_the_channel_concat():
     patch = (1, 2, 2)
     joined = join_condition(patchify(x, patch), patchify(cond, patch), 4)
     assert torch.equal(joined, patchify(torch.cat([x, cond]), patch))
+
+
+def test_model_and_data_channels_decide_the_task():
+    from dit.image_cond import ImageConditioning, conditioning_of
+
+    assert conditioning_of({"in_channels": 16, "out_channels": 16}, 16, 4) is None
+    wan_i2v = {"in_channels": 36, "out_channels": 16, "image_dim": 1280}
+    assert conditioning_of(wan_i2v, 16, 4) == ImageConditioning(
+        last_frame=False, clip_tokens=True, temporal=4
+    )
+    flf2v = conditioning_of({**wan_i2v, "pos_embed_seq_len": 514}, 16, 4)
+    assert flf2v.last_frame and flf2v.clip_tokens
+    assert not conditioning_of({"in_channels": 36, "out_channels": 16}, 16, 4).clip_tokens  # Wan2.2 I2V
+    with pytest.raises(ValueError, match=r"data gives 3: .* image-to-video one 7 in"):
+        conditioning_of(wan_i2v, 3, 1)
+
+
+def test_cache_without_conditioning_is_refused():
+    from dit.clips import ClipEncoder
+    from dit.image_cond import ImageConditioning
+
+    encoder = ClipEncoder(None, None, torch.device("cpu"), conditioning=ImageConditioning(False, True, 4))
+    sample = {"latent": torch.zeros(16, 1, 2, 2), "text_emb": torch.zeros(1, 4)}
+    with pytest.raises(ValueError, match="cache has no image conditioning .* rebuild it"):
+        encoder.encode_condition(sample)

@@ -7,6 +7,8 @@ tokens, must match diffusers' WanTransformer3DModel on that clip alone, outputs 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from accelerate import init_empty_weights
@@ -273,3 +275,34 @@ def test_lora_loads_into_diffusers_i2v_without_missing_keys(tmp_path, kind):
     for g, w, b in zip(got, want, base):
         assert float((g - w).abs().max()) <= 1e-5  # the output tolerance derived above
         assert float((g - b).abs().max()) > 1e-3  # the LoRA changes the output
+
+
+# ----------------------------------------------------------------------------- config and bad input
+
+
+def test_i2v_config_dry_run_prints_parameters_and_memory(capsys):
+    import train
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "wan2.1-i2v-14b-lora.yaml"
+    assert train.main(["--config", str(config), "--dry-run"]) == 1  # the /path/to placeholders are missing
+    out = capsys.readouterr().out
+    assert "model: 16.39B parameters" in out and "memory per GPU" in out
+    assert "data.image_encoder_path=/path/to/Wan2.1-I2V-14B-480P-Diffusers does not exist" in out
+
+
+def test_t2v_checkpoint_under_i2v_config_is_refused(tmp_path):
+    from dit.config import ModelConfig
+    from dit.setup import build_model
+
+    t2v = {k: v for k, v in SMALL.items() if k not in ("image_dim", "added_kv_proj_dim")}
+    WanTransformer3DModel(**{**t2v, "in_channels": 4}).save_pretrained(tmp_path / "t2v")
+    with pytest.raises(
+        ValueError, match=r"text-to-video checkpoint .* model.size=wan-i2v-14b is image-to-video"
+    ):
+        build_model(ModelConfig(size="wan-i2v-14b", pretrained=str(tmp_path / "t2v")))
+    make_wan("i2v").save_pretrained(tmp_path / "i2v")
+    with pytest.raises(ValueError, match=r"image-to-video checkpoint .* model.size=wan-14b is text-to-video"):
+        build_model(ModelConfig(size="wan-14b", pretrained=str(tmp_path / "i2v")))
+    assert (
+        build_model(ModelConfig(size="wan-i2v-14b", pretrained=str(tmp_path / "i2v"))).config.image_dim == 12
+    )
