@@ -88,8 +88,9 @@ class ClipEncoder:
         if "latent" in sample:
             if "condition" not in sample or (cond.clip_tokens and "image_emb" not in sample):
                 raise ValueError(
-                    "this latent cache has no image conditioning (condition latents / CLIP image embeddings) "
-                    "for this image-to-video model; rebuild it with python -m data.cache ... --image-condition"
+                    "this latent cache has no image conditioning (condition latents / CLIP image embeddings), "
+                    "which an image-to-video model needs and data/cache.py does not store yet; train from the "
+                    "videos instead (data.source = a folder or manifest)"
                 )
             condition = sample["condition"].to(self.device, torch.float32)
             image = sample["image_emb"].to(self.device, torch.float32) if cond.clip_tokens else None

@@ -89,5 +89,5 @@ def test_cache_without_conditioning_is_refused():
 
     encoder = ClipEncoder(None, None, torch.device("cpu"), conditioning=ImageConditioning(False, True, 4))
     sample = {"latent": torch.zeros(16, 1, 2, 2), "text_emb": torch.zeros(1, 4)}
-    with pytest.raises(ValueError, match="cache has no image conditioning .* rebuild it"):
+    with pytest.raises(ValueError, match="cache has no image conditioning.*train from the videos"):
         encoder.encode_condition(sample)
