@@ -24,9 +24,13 @@ class ClipImageEncoder:
     @torch.no_grad()
     def encode(self, frames: torch.Tensor) -> torch.Tensor:
         """(k, 3, H, W) in [-1, 1] -> (k, tokens, hidden): hidden_states[-2] of the vision tower."""
-        images = ((frames.float().cpu() + 1) / 2).clamp(0, 1)  # the processor takes [0, 1] without rescale
-        inputs = self.processor(images=list(images), return_tensors="pt", do_rescale=False)
-        inputs = inputs.to(self.device)
+        import PIL.Image
+
+        # As 8-bit images, what the pipeline's users hand it (and what video frames were): the processor
+        # resizes and crops uint8 and float input differently.
+        pixels = ((frames.float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (k, 3, H, W)
+        images = [PIL.Image.fromarray(x.permute(1, 2, 0).numpy()) for x in pixels]
+        inputs = self.processor(images=images, return_tensors="pt").to(self.device)
         return self.model(**inputs, output_hidden_states=True).hidden_states[-2].float()
 
 

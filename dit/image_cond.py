@@ -14,6 +14,7 @@ stride, h/w = latent height/width, P = pt*ph*pw values per patch and channel.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,14 +95,13 @@ def conditioning_of(config, data_channels: int, temporal: int) -> ImageCondition
     Image-to-video input = noisy latent (c) + mask (t) + image latent (c): in_channels = 2c + t (Wan:
     16 + 4 + 16 = 36), out_channels = c.
     """
-    in_c = config["in_channels"]
-    out_c = config.get("out_channels") or in_c
-    if in_c == out_c == data_channels and config.get("image_dim") is None:
+    get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+    in_c = get("in_channels")
+    out_c = get("out_channels") or in_c
+    if in_c == out_c == data_channels and get("image_dim") is None:
         return None
     if in_c == 2 * data_channels + temporal and out_c == data_channels:
-        return ImageConditioning(
-            config.get("pos_embed_seq_len") is not None, config.get("image_dim") is not None, temporal
-        )
+        return ImageConditioning(get("pos_embed_seq_len") is not None, get("image_dim") is not None, temporal)
     raise ValueError(
         f"the model takes {in_c} input and {out_c} output channels but the data gives {data_channels}: a "
         f"text-to-video model needs {data_channels} in and out, an image-to-video one {2 * data_channels + temporal} "

@@ -9,6 +9,7 @@ Legend: n = tokens of one clip, b = prompts, p = patch values.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from data.tokens import latent_shape
 from dit.attention import PackedAttention
 from dit.flow import shift_for_tokens
-from dit.packing import check_divisible, grid_positions, unpatchify
+from dit.image_cond import conditioning_of, image_condition, join_condition
+from dit.packing import check_divisible, grid_positions, patchify, unpatchify
 
 
 @torch.no_grad()
@@ -35,14 +37,25 @@ def generate(
     shift: float | None = None,
     seed: int = 0,
     negative_prompt: str = "",
+    image: torch.Tensor | None = None,
+    last_image: torch.Tensor | None = None,
+    image_encoder=None,
+    noise: torch.Tensor | None = None,
+    return_latents: bool = False,
 ) -> list[torch.Tensor]:
-    """-> one (3, f, h, w) video in [-1, 1] per prompt. ``vae`` None means the model works in pixels."""
+    """-> one (3, f, h, w) video in [-1, 1] per prompt. ``vae`` None means the model works in pixels.
+
+    Image-to-video models (extra input channels; see ``dit/image_cond.py``) take ``image`` (3, H, W) in
+    [-1, 1], the first frame of every clip (FLF2V: and ``last_image``), and ``image_encoder`` (a
+    ``data.image_encoders.ClipImageEncoder``) when they have ``image_dim``. ``noise`` (b, c, f, h, w)
+    replaces the seeded initial noise; ``return_latents`` returns the final (c, f, h, w) latents.
+    """
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
     device = next(model.parameters()).device
     patch = tuple(model.config.patch_size)
     stride = (1, 1, 1) if vae is None else vae.stride
-    channels = model.config.in_channels
+    channels = getattr(model.config, "out_channels", None) or model.config.in_channels
     f, h, w = latent_shape(num_frames, height, width, stride)
     if stride[0] > 1 and (num_frames - 1) % stride[0]:
         raise ValueError(
@@ -74,10 +87,25 @@ def generate(
     scheduler.set_timesteps(steps, device=device)
     g = torch.Generator().manual_seed(seed)
     p = channels * patch[0] * patch[1] * patch[2]
-    x = torch.randn(b * n, p, generator=g).to(device)  # (b*n, p) noise of every prompt, packed
+    if noise is None:
+        x = torch.randn(b * n, p, generator=g).to(device)  # (b*n, p) noise of every prompt, packed
+    else:
+        x = torch.cat([patchify(z, patch) for z in noise.to(device, torch.float32)])
+    for name, frame in (("--image", image), ("--last-image", last_image)):
+        if frame is not None and tuple(frame.shape[1:]) != (height, width):
+            raise ValueError(
+                f"{name} is {frame.shape[2]}x{frame.shape[1]} but the clip is {width}x{height} (width x height); "
+                f"resize the image or pass --width {frame.shape[2]} --height {frame.shape[1]}"
+            )
+    condition, extra = image_inputs(model, vae, image, last_image, image_encoder, num_frames, patch, device)
+    if "image" in extra:
+        extra["image"] = extra["image"].expand(clips, -1, -1)  # (clips, m, image_dim)
     for t in scheduler.timesteps:
         x_in = torch.cat([x, x]) if guided else x
-        v = model(x_in, positions, seq_lens, t.expand(clips).float(), text, text_lens, attention).float()
+        if condition is not None:  # the same image condition for every clip (and both CFG halves)
+            x_in = join_condition(x_in, condition.repeat(clips, 1), math.prod(patch))
+        v = model(x_in, positions, seq_lens, t.expand(clips).float(), text, text_lens, attention, **extra)
+        v = v.float()
         if guided:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + guidance * (v_cond - v_uncond)
@@ -86,9 +114,51 @@ def generate(
     videos = []
     for tokens in x.split(n):
         latent = unpatchify(tokens, grid, patch)  # (c, f, h, w)
+        if return_latents:
+            videos.append(latent.cpu())
+            continue
         video = latent if vae is None else vae.decode(latent[None])[0]
         videos.append(video.clamp(-1, 1).cpu())
     return videos
+
+
+def image_inputs(model, vae, image, last_image, image_encoder, num_frames, patch, device):
+    """-> condition tokens (n, P*cc) or None, and the model's extra keyword arguments (CLIP tokens)."""
+    cfg = model.config
+    data_channels = getattr(cfg, "out_channels", None) or cfg.in_channels
+    stride = (1, 1, 1) if vae is None else vae.stride
+    conditioning = conditioning_of(cfg, data_channels, stride[0])
+    if conditioning is None:
+        if image is not None or last_image is not None:
+            raise ValueError("--image was given but this is a text-to-video model; drop --image")
+        return None, {}
+    if image is None:
+        raise ValueError(
+            "this is an image-to-video model: pass the first frame with --image PATH"
+            + (" and the last with --last-image PATH" if conditioning.last_frame else "")
+        )
+    if conditioning.last_frame != (last_image is not None):
+        need = (
+            "needs --last-image PATH (FLF2V: first and last frame)"
+            if conditioning.last_frame
+            else ("takes no --last-image (only FLF2V models do)")
+        )
+        raise ValueError(f"this model {need}")
+    image = image.to(device, torch.float32)
+    last = None if last_image is None else last_image.to(device, torch.float32)
+    if vae is None:
+        from data.vaes import IdentityVAE
+
+        vae = IdentityVAE(image.shape[0])
+    condition = patchify(image_condition(vae, image, num_frames, last), patch)  # (n, P*cc)
+    extra = {}
+    if conditioning.clip_tokens:
+        if image_encoder is None:
+            raise ValueError("this model has image_dim: pass an image encoder (data.image_encoder_path)")
+        frames = torch.stack([image] if last is None else [image, last])
+        tokens = image_encoder.encode(frames).flatten(0, 1).to(device, torch.float32)  # (m, image_dim)
+        extra["image"] = tokens
+    return condition, extra
 
 
 def to_uint8_frames(video: torch.Tensor, upscale: int = 1) -> torch.Tensor:
