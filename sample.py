@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         help="sigma shift; default: the run's flow.shift, else by token count",
     )
     parser.add_argument("--negative-prompt", default="")
+    parser.add_argument("--image", default=None, help="first frame for an image-to-video model (PNG/JPEG)")
+    parser.add_argument("--last-image", default=None, help="last frame for a first-last-frame (FLF2V) model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=int, default=8)
     parser.add_argument(
@@ -63,6 +65,7 @@ def run(args) -> int:
     import torch
     import yaml
 
+    from data.image_encoders import image_inputs_for
     from dit.checkpoint import resolve_checkpoint
     from dit.config import Config, from_dict
     from dit.sampling import generate, write_clips
@@ -86,11 +89,12 @@ def run(args) -> int:
     model = load_sampling_model(cfg, weights, args.lora, args.lora_scale).to(device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
     vae = build_vae(cfg.data, device)
+    image_kwargs = image_inputs_for(model.config, cfg.data, args.image, args.last_image, device)
     videos = generate(
         model, text_encoder, vae, prompts, args.frames, args.height, args.width,
         steps=args.steps, guidance=args.guidance, seed=args.seed,
         shift=args.shift if args.shift is not None else cfg.flow.shift,
-        negative_prompt=args.negative_prompt,
+        negative_prompt=args.negative_prompt, **image_kwargs,
     )  # fmt: skip
     out = Path(args.out) if args.out else step_dir.parent.parent / "samples"
     for path in write_clips(videos, prompts, out, args.seed, args.fps, args.upscale, grid=args.grid):

@@ -57,3 +57,30 @@ def load_image_encoder(path: str | os.PathLike | None, device: str = "cpu") -> C
     model = CLIPVisionModel.from_pretrained(model_dir)
     processor = Processor.from_pretrained(processor_dir if os.path.isdir(processor_dir) else model_dir)
     return ClipImageEncoder(model, processor, device)
+
+
+def read_image(path: str | os.PathLike) -> torch.Tensor:
+    """An image file -> (3, H, W) float in [-1, 1] (RGB), for ``sample.py --image``."""
+    import numpy as np
+    import PIL.Image
+
+    if not os.path.isfile(path):
+        raise ValueError(f"image {path} does not exist; pass the path of a PNG or JPEG file")
+    try:
+        with PIL.Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except PIL.UnidentifiedImageError:
+        raise ValueError(f"{path} is not an image PIL can read; pass a PNG or JPEG file") from None
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 127.5 - 1
+
+
+def image_inputs_for(model_config, data_cfg, image: str | None, last_image: str | None, device) -> dict:
+    """``generate`` keyword arguments for ``sample.py --image/--last-image``: the frames, and the CLIP
+    encoder when the model has ``image_dim``."""
+    kwargs = {
+        "image": None if image is None else read_image(image),
+        "last_image": None if last_image is None else read_image(last_image),
+    }
+    if model_config.get("image_dim") is not None and image is not None:
+        kwargs["image_encoder"] = load_image_encoder(data_cfg.image_encoder_path, str(device))
+    return kwargs

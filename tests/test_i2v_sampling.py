@@ -10,6 +10,8 @@ and guidance 4 amplifies a velocity difference 7x (4 * cond - 3 * uncond), so 3 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import PIL.Image
 import pytest
@@ -109,3 +111,40 @@ def test_bad_inputs(clip):
     with pytest.raises(ValueError, match="takes no --last-image"):
         image = torch.zeros(3, SIZE, SIZE)
         generate(model, text, vae, ["a prompt"], FRAMES, SIZE, SIZE, image=image, last_image=image, **run)
+
+
+def test_train_then_sample_cli_with_image(tmp_path, capsys):
+    """A tiny pixel-space image-to-video run (3 + 1 mask + 3 channels, no CLIP: Wan2.2-I2V style) trains
+    through train.py and samples through sample.py --image; without --image it says so in one line."""
+    import imageio.v2 as imageio
+    from conftest import tiny_overrides
+
+    import sample
+    import train
+
+    overrides = tiny_overrides(
+        tmp_path,
+        **{
+            "train.max_steps": 2,
+            "model.overrides": "{num_layers: 2, ffn_dim: 128, in_channels: 7, out_channels: 3}",
+        },
+    )
+    assert (
+        train.main(
+            ["--config", str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"), *overrides]
+        )
+        == 0
+    )
+    png = tmp_path / "first.png"
+    imageio.imwrite(png, np.random.default_rng(0).integers(0, 256, (8, 12, 3), dtype=np.uint8))
+    args = ["--checkpoint", str(tmp_path / "run"), "--prompt", "a red circle", "--frames", "3", "--height", "8",
+            "--width", "12", "--steps", "2", "--out", str(tmp_path / "samples")]  # fmt: skip
+    capsys.readouterr()
+    assert sample.main([*args, "--image", str(png)]) == 0
+    assert any(p.suffix == ".mp4" for p in (tmp_path / "samples").iterdir())
+    capsys.readouterr()
+    assert sample.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pass the first frame with --image PATH" in err[0], err
+    assert sample.main([*args, "--image", str(tmp_path / "nope.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
