@@ -11,8 +11,9 @@
 3. Measure, per clip, on the [-1, 1] scale: the first frame's mean absolute error against the given
    image, against the error of a sample of the same clip conditioned on a black image instead (the
    image is the only difference); and motion, the shape's centroid
-   shift in pixels from the first to the last frame (shape pixels: farther than 0.5 from the black
-   background), for the samples and for the true clips. A model that copied the image would show
+   shift in pixels from the first to the last frame (shape pixels: farther than 0.5 from the frame's
+   median colour, its background), for the samples and for the true clips, and the distance between
+   the sample's and the true clip's last-frame centroids. A model that copied the image would show
    no shift.
 4. Writes ``i2v_demo.json`` in ``--out`` and, with ``--images``, a PNG grid: per clip a row of the true
    clip and a row of the sample (4x enlarged).
@@ -39,8 +40,11 @@ FRAMES = 9
 
 
 def centroid(frame: torch.Tensor) -> torch.Tensor | None:
-    """(3, h, w) -> (y, x) mean position of the shape pixels, or None when there are none."""
-    mask = frame.abs().amax(0) > 0.5
+    """(3, h, w) -> (y, x) mean position of the shape pixels, or None when there are none. Shape pixels
+    differ from the frame's median colour (the background: it covers most of a 16 px frame) by more
+    than 0.5 in some channel."""
+    background = frame.flatten(1).median(dim=1).values[:, None, None]  # (3, 1, 1)
+    mask = (frame - background).abs().amax(0) > 0.5
     if not mask.any():
         return None
     ys, xs = torch.nonzero(mask, as_tuple=True)
@@ -110,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         "true_shift_px": [shift(v) for v in truth],
     }
     mean = lambda xs: sum(x for x in xs if x == x) / max(1, sum(1 for x in xs if x == x))  # noqa: E731
+    ends = [(centroid(s[:, -1]), centroid(v[:, -1])) for s, v in zip(samples, truth)]
+    results["last_frame_centroid_error_px"] = [
+        float("nan") if None in e else float((e[0] - e[1]).norm()) for e in ends
+    ]
+    results["mean_last_frame_centroid_error_px"] = mean(results["last_frame_centroid_error_px"])
     results["mean_sample_shift_px"] = mean(results["sample_shift_px"])
     results["mean_true_shift_px"] = mean(results["true_shift_px"])
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, list)}, indent=1))
