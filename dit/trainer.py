@@ -84,9 +84,16 @@ class Trainer:
             channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
         # text-to-video, or image-to-video (mask + image latent as extra input channels); else a ValueError
         self.encoder.conditioning = conditioning_of(self.model.config, channels, vae_stride(cfg.data)[0])
+        if self.encoder.conditioning and cfg.train.sample_every:
+            raise ValueError(
+                f"train.sample_every={cfg.train.sample_every}: validation clips of an image-to-video model are "
+                "not supported yet; set train.sample_every=0 and sample with sample.py --image PATH"
+            )
         cached = getattr(self.train_set, "latent_channels", None) is not None
         if self.encoder.conditioning and self.encoder.conditioning.clip_tokens and not cached:
-            _ = self.encoder.image_encoder  # built now (training needs it): a bad path fails here, not at step 1
+            _ = (
+                self.encoder.image_encoder
+            )  # built now (training needs it): a bad path fails here, not at step 1
         self._shard_model()
         self.optimizer = self._build_optimizer()
         self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)

@@ -148,3 +148,12 @@ def test_train_then_sample_cli_with_image(tmp_path, capsys):
     assert len(err) == 1 and "pass the first frame with --image PATH" in err[0], err
     assert sample.main([*args, "--image", str(tmp_path / "nope.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    from dit.config import load_config
+    from dit.trainer import Trainer
+
+    config = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+        [*overrides, "train.sample_every=5", "train.sample_prompts=[a red circle]"],
+    )
+    with pytest.raises(ValueError, match="train.sample_every=5: .* set train.sample_every=0"):
+        Trainer(config, device=torch.device("cpu"))
