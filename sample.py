@@ -6,7 +6,8 @@
 
 Loads the EMA weights of a run by default. ``--prompts-file`` takes plain text (one prompt a line) or
 a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width, steps, guidance, seed
-and negative_prompt (the flags give the rest). Request i uses its line's seed, else --seed + i: the
+and negative_prompt, and image / last_image for image-to-video models (the flags give the rest;
+``--image`` and ``--last-image`` give a first and last frame to every request). Request i uses its line's seed, else --seed + i: the
 same request gives the same clip in any queue, on one process or many. Under torchrun a planner
 gives each request its context-parallel group and CFG split (docs/sampling.md). Clips already in
 --out are skipped, so a killed job reruns with the same command. ``--lora FILE_OR_DIR`` adds a
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sigma shift; default: the run's flow.shift, else by token count",
     )
     parser.add_argument("--negative-prompt", default="")
+    parser.add_argument(
+        "--image",
+        default=None,
+        help="first frame for an image-to-video model (PNG/JPEG); a queue line may set its own",
+    )
+    parser.add_argument("--last-image", default=None, help="last frame for a first-last-frame (FLF2V) model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=int, default=8)
     parser.add_argument(
@@ -103,7 +110,8 @@ def run(args) -> int:
         raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
     defaults = dict(
         frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
-        seed=args.seed, negative_prompt=args.negative_prompt,
+        seed=args.seed, negative_prompt=args.negative_prompt, image=args.image or "",
+        last_image=args.last_image or "",
     )  # fmt: skip
     requests = build_queue(args.prompt, args.prompts_file, defaults)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -139,6 +147,7 @@ def run(args) -> int:
                 args.upscale,
                 args.cfg_parallel != "off",
                 args.hardware,
+                args.memory_gb,
             )
         else:
             from dynamic_cp.runtime.sampling import check_memory, device_memory
@@ -155,6 +164,7 @@ def run(args) -> int:
                 shift,
                 args.fps,
                 args.upscale,
+                sampler.image_encoder,
             )
     if args.grid and os.environ.get("RANK", "0") == "0":  # one rank draws the grid, from the mp4s
         write_grid(out, requests, paths, args.seed)

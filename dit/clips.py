@@ -11,6 +11,7 @@ Legend: n = tokens, p = patch values, l = text tokens, d = text width.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from dit.attention import AttentionFn
 from dit.config import FlowConfig
 from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
+from dit.image_cond import ImageConditioning, image_condition, join_condition
 from dit.packing import grid_positions, local_seq_lens, patchify
 
 
@@ -35,6 +37,8 @@ class TrainClip:
     sigma: float
     positions: torch.Tensor  # (n, 3)
     text: torch.Tensor  # (l, d)
+    condition: torch.Tensor | None = None  # (n, P*cc) mask + image latent tokens (image-to-video)
+    image: torch.Tensor | None = None  # (m, image_dim) CLIP tokens (Wan2.1 I2V / FLF2V)
 
     @property
     def num_tokens(self) -> int:
@@ -48,9 +52,17 @@ class ClipEncoder:
     """
 
     def __init__(
-        self, build_vae, build_text_encoder, device: torch.device, empty_text: torch.Tensor | None = None
+        self,
+        build_vae,
+        build_text_encoder,
+        device: torch.device,
+        empty_text: torch.Tensor | None = None,
+        conditioning: ImageConditioning | None = None,
+        build_image_encoder=None,
     ):
         self._build_vae, self._build_text_encoder = build_vae, build_text_encoder
+        self._build_image_encoder = build_image_encoder
+        self.conditioning = conditioning  # None: a text-to-video model
         self.device = device
         # what the text encoder gives for "" (cached samples use it when their caption is dropped,
         # so training's unconditional input is sampling's); None = no text rows
@@ -63,6 +75,38 @@ class ClipEncoder:
     @functools.cached_property
     def text_encoder(self):
         return self._build_text_encoder()
+
+    @functools.cached_property
+    def image_encoder(self):
+        return self._build_image_encoder()
+
+    @torch.no_grad()
+    def encode_condition(self, sample: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> condition (t + c, f, h, w) and CLIP tokens (m, image_dim) or None, from the clip itself: its
+        first frame (FLF2V: and last), through the VAE and the image encoder, or from the cache."""
+        cond = self.conditioning
+        if "latent" in sample:
+            if "condition" not in sample or (cond.clip_tokens and "image_emb" not in sample):
+                raise ValueError(
+                    "this latent cache has no image conditioning (condition latents / CLIP image embeddings), "
+                    "which an image-to-video model needs and data/cache.py does not store yet; train from the "
+                    "videos instead (data.source = a folder or manifest)"
+                )
+            condition = sample["condition"].to(self.device, torch.float32)
+            image = sample["image_emb"].to(self.device, torch.float32) if cond.clip_tokens else None
+            return condition, image
+        video = sample["video"].to(self.device, torch.float32)  # (3, F, H, W) in [-1, 1]
+        first, last = video[:, 0], (video[:, -1] if cond.last_frame else None)
+        vae = self.vae
+        if vae is None:  # pixel space: the condition is the pixels themselves
+            from data.vaes import IdentityVAE
+
+            vae = IdentityVAE(video.shape[0])
+        image = None
+        if cond.clip_tokens:
+            frames = torch.stack([first] if last is None else [first, last])
+            image = self.image_encoder.encode(frames).flatten(0, 1).to(self.device, torch.float32)
+        return image_condition(vae, first, video.shape[1], last), image
 
     @torch.no_grad()
     def encode(self, sample: dict, drop_caption: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +142,11 @@ def prepare_clip(
     shift = flow.shift if flow.shift is not None else shift_for_tokens(x0.shape[0])
     sigma = float(shift_sigmas(sigma, shift))
     noise = torch.randn(x0.shape, generator=g).to(x0.device)
-    return TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
+    clip = TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
+    if encoder.conditioning is not None:
+        condition, clip.image = encoder.encode_condition(sample)
+        clip.condition = patchify(condition, patch)
+    return clip
 
 
 def micro_batch_loss(
@@ -124,8 +172,16 @@ def micro_batch_loss(
         local_lens = local_seq_lens(seq_lens, start, end)
         x0, noise, positions = x0[start:end], noise[start:end], positions[start:end]
     x_t = add_noise(x0, noise, sigmas.repeat_interleave(local_lens).to(x0.device))
+    extra = {}
+    if clips[0].condition is not None:  # image-to-video: noisy latent, mask, image latent (in channels)
+        condition = torch.cat([c.condition for c in clips])
+        if token_range is not None:
+            condition = condition[token_range[0] : token_range[1]]
+        x_t = join_condition(x_t, condition, math.prod(model.patch_size))
+    if clips[0].image is not None:
+        extra["image"] = torch.stack([c.image for c in clips])  # (b, m, image_dim)
     text = torch.cat([c.text for c in clips])
     text_lens = torch.tensor([c.text.shape[0] for c in clips])
-    pred = model(x_t, positions, local_lens, sigmas.to(x0.device) * 1000, text, text_lens, attention)
+    pred = model(x_t, positions, local_lens, sigmas.to(x0.device) * 1000, text, text_lens, attention, **extra)
     weights = clip_token_weights(local_lens, seq_lens, num_clips_global).to(x0.device)
     return flow_loss(pred, noise - x0, weights)

@@ -75,6 +75,8 @@ class DataConfig:
     vae_path: str | None = None  # local directory of the VAE weights
     text_encoder: str = "hashed"  # 'hashed' (built in), 't5' or 'umt5'
     text_encoder_path: str | None = None  # local directory of the text encoder
+    # local CLIPVisionModel folder for Wan2.1 I2V/FLF2V (a pipeline folder with image_encoder/ works)
+    image_encoder_path: str | None = None
     text_max_length: int = 512  # longest caption in text tokens
     caption_dropout: float = 0.1  # share of captions replaced by '' so guidance has an unconditional model
     num_workers: int = 0  # DataLoader worker processes

@@ -180,15 +180,23 @@ def save_lora(model, directory: str | Path, adapter_name: str = ADAPTER, state: 
 def load_lora(model, path: str | Path, adapter_name: str = ADAPTER) -> LoraConfig:
     """Add the adapter of a diffusers-format (or converted) Wan LoRA file to ``model``; returns its
     config. Every key must land on a layer and every adapter weight must be in the file."""
+    from diffusers.loaders import WanLoraLoaderMixin
     from diffusers.utils.peft_utils import _create_lora_config
 
     state, metadata = read_lora(path)
+    # A text-to-video LoRA on an image-to-video model: diffusers adds zero adapters on the image K/V
+    # (add_k_proj/add_v_proj) beside each attn2.to_k one; doing the same keeps both sides' keys equal.
+    num_keys = len(state)
+    state = WanLoraLoaderMixin._maybe_expand_t2v_lora_for_i2v(model, state)
+    expanded = {k.split(".lora_")[0] for k in list(state)[num_keys:]}  # (diffusers names) added modules
     state = from_diffusers(state, str(path))
     # as diffusers' load_lora_adapter: ranks from the lora_B shapes, alpha from the metadata (else rank)
     ranks = {f"^{k}": v.shape[1] for k, v in state.items() if "lora_B" in k and v.ndim > 1}
     config = _create_lora_config(
         state, None, metadata, ranks, model_state_dict=model.state_dict(), adapter_name=adapter_name
     )
+    if expanded and not isinstance(config.target_modules, str):  # the file's config names only to_k etc.
+        config.target_modules = set(config.target_modules) | {k[len(PREFIX) + 1 :] for k in expanded}
     add_lora(model, config, adapter_name)
     set_adapter_state(model, state, adapter_name, str(path))
     return config

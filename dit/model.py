@@ -9,8 +9,15 @@ parameter names equal to diffusers' ``WanTransformer3DModel`` so checkpoints map
 handed this rank's tokens and a CP attention function, and everything else here is per token or per
 clip.
 
+Image conditioning (Wan2.1 I2V / FLF2V, ``image_dim`` set): each clip also carries m CLIP image
+tokens (257 per image; FLF2V: first and last frame, 514), embedded by diffusers' ``WanImageEmbedding``
+and attended to in every cross-attention through separate ``add_k_proj``/``add_v_proj`` (``norm_added_k``);
+that output is added to the text attention's. The image latents and mask enter as extra input
+channels (``dit/image_cond.py``), so they need nothing here.
+
 Legend: n = packed tokens held by this process, b = clips in the micro-batch, l = text tokens
-(all clips), p = patch values (pt*ph*pw*c), D = hidden width, h = heads, d = head dim.
+(all clips), m = image tokens per clip, p = patch values (pt*ph*pw*c), D = hidden width, h = heads,
+d = head dim.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from diffusers.models.embeddings import (
 )
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import FP32LayerNorm
+from diffusers.models.transformers.transformer_wan import WanImageEmbedding
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils.checkpoint import checkpoint
 
@@ -146,7 +154,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """q/k/v/out projections with RMS norm over all heads; parameter names follow diffusers' WanAttention."""
 
-    def __init__(self, dim: int, heads: int, eps: float, qk_norm: bool):
+    def __init__(self, dim: int, heads: int, eps: float, qk_norm: bool, added_kv_proj_dim: int | None = None):
         super().__init__()
         self.heads = heads
         self.to_q = nn.Linear(dim, dim)
@@ -155,6 +163,11 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        if added_kv_proj_dim is not None:  # image K/V of Wan I2V's cross-attention (diffusers' WanAttention)
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
+            # diffusers applies it whatever qk_norm says, as it does norm_k
+            self.norm_added_k = nn.RMSNorm(dim, eps=eps)
 
     def fusable(self) -> bool:
         """True while q, k and v are plain linear layers (no adapter layer wraps them)."""
@@ -179,6 +192,11 @@ class Attention(nn.Module):
         k = self.norm_k(k).unflatten(-1, (self.heads, -1))
         return q, k, v.unflatten(-1, (self.heads, -1))
 
+    def project_added(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """image (b*m, D) -> k, v (b*m, h, d) through the added (image) projections."""
+        k = self.norm_added_k(self.add_k_proj(image)).unflatten(-1, (self.heads, -1))
+        return k, self.add_v_proj(image).unflatten(-1, (self.heads, -1))
+
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """(n, h, d) -> (n, D)"""
         return self.to_out[0](o.flatten(-2))
@@ -187,11 +205,20 @@ class Attention(nn.Module):
 class DiTBlock(nn.Module):
     """Self-attention, cross-attention and FFN, with time modulation (shift, scale, gate) per clip."""
 
-    def __init__(self, dim: int, ffn_dim: int, heads: int, eps: float, qk_norm: bool, cross_attn_norm: bool):
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        heads: int,
+        eps: float,
+        qk_norm: bool,
+        cross_attn_norm: bool,
+        added_kv_proj_dim: int | None = None,
+    ):
         super().__init__()
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.attn1 = Attention(dim, heads, eps, qk_norm)
-        self.attn2 = Attention(dim, heads, eps, qk_norm)
+        self.attn2 = Attention(dim, heads, eps, qk_norm, added_kv_proj_dim)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, inner_dim=ffn_dim, activation_fn="gelu-approximate")
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
@@ -207,6 +234,8 @@ class DiTBlock(nn.Module):
         cu_seqlens: torch.Tensor,  # (b+1,) offsets of seq_lens, for cross-attention
         text_cu_seqlens: torch.Tensor,  # (b+1,)
         attention: AttentionFn,
+        image: torch.Tensor | None = None,  # (b*m, D) embedded image tokens, image-conditioned models only
+        image_cu_seqlens: torch.Tensor | None = None,  # (b+1,)
     ) -> torch.Tensor:
         mod = self.scale_shift_table + modulation.float()  # (b, 6, D)
         n = x.shape[0]
@@ -219,10 +248,14 @@ class DiTBlock(nn.Module):
         h = self.attn1.output(eager_attention(attention, q, k, v))
         x = (x.float() + h * gate1).type_as(x)
 
-        # 2. cross-attention: each token attends to its own clip's text, which every rank holds
+        # 2. cross-attention: each token attends to its own clip's text (and image), which every rank holds
         h = self.norm2(x.float()).type_as(x)
         q, k, v = self.attn2.project(h, text)
-        x = x + self.attn2.output(eager_attention(varlen_attention, q, k, v, cu_seqlens, text_cu_seqlens))
+        o = eager_attention(varlen_attention, q, k, v, cu_seqlens, text_cu_seqlens)  # (n, h, d)
+        if image is not None:  # Wan I2V: the same queries attend to the image apart; the outputs add
+            k, v = self.attn2.project_added(image)
+            o = o + eager_attention(varlen_attention, q, k, v, cu_seqlens, image_cu_seqlens).type_as(q)
+        x = x + self.attn2.output(o)
 
         # 3. feed-forward
         h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
@@ -238,6 +271,10 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
     ``text_pad_len`` (ours, not diffusers'): zero-pad each caption to this many tokens as Wan's pipeline
     does (512 for Wan checkpoints, set by ``dit.wan_import``); None uses the captions as given.
+
+    ``image_dim``, ``added_kv_proj_dim`` (must equal the width) and ``pos_embed_seq_len`` (FLF2V: 514
+    tokens of two images) are diffusers' image-conditioning fields; with ``image_dim`` set, forward
+    needs each clip's CLIP image tokens.
     """
 
     _supports_gradient_checkpointing = True
@@ -261,9 +298,13 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         rope_max_seq_len: int = 1024,
         adaln_zero_init: bool = True,
         text_pad_len: int | None = None,
+        image_dim: int | None = None,
+        added_kv_proj_dim: int | None = None,
+        pos_embed_seq_len: int | None = None,
     ):
         super().__init__()
         dim = num_attention_heads * attention_head_dim
+        check_image_fields(dim, image_dim, added_kv_proj_dim, pos_embed_seq_len)
         out_channels = out_channels or in_channels
         self.patch_size = tuple(patch_size)
         self.out_patch_dim = out_channels * math.prod(patch_size)
@@ -278,8 +319,10 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.condition_embedder.time_embedder = TimestepEmbedding(freq_dim, dim)
         self.condition_embedder.time_proj = nn.Linear(dim, 6 * dim)
         self.condition_embedder.text_embedder = PixArtAlphaTextProjection(text_dim, dim, act_fn="gelu_tanh")
+        if image_dim is not None:
+            self.condition_embedder.image_embedder = WanImageEmbedding(image_dim, dim, pos_embed_seq_len)
         self.blocks = nn.ModuleList(
-            DiTBlock(dim, ffn_dim, num_attention_heads, eps, qk_norm, cross_attn_norm)
+            DiTBlock(dim, ffn_dim, num_attention_heads, eps, qk_norm, cross_attn_norm, added_kv_proj_dim)
             for _ in range(num_layers)
         )
         self.norm_out = FP32LayerNorm(dim, eps, elementwise_affine=False)
@@ -313,6 +356,7 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         text: torch.Tensor,  # (l, text_dim) all clips' text embeddings, concatenated
         text_lens: torch.Tensor,  # (b,)
         attention: AttentionFn,
+        image: torch.Tensor | None = None,  # (b, m, image_dim) CLIP tokens per clip (image_dim models)
     ) -> torch.Tensor:
         """Returns the predicted velocity for each token, (n, p_out)."""
         ce = self.condition_embedder
@@ -325,10 +369,12 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         text_cu_seqlens = cu_seqlens_from_lengths(text_lens)
         cu_seqlens = cu_seqlens_from_lengths(seq_lens)
         rope = self.rope(positions)
+        image_context, image_cu_seqlens = self.embed_image(image, seq_lens.shape[0], tokens.dtype)
 
         x = self.patch_embedding(tokens)  # (n, D)
         for block in self.blocks:
             args = (x, context, modulation, rope, seq_lens, cu_seqlens, text_cu_seqlens, attention)
+            args += (image_context, image_cu_seqlens)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, *args, use_reentrant=False)
             else:
@@ -339,3 +385,61 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             self.norm_out(x.float()) * (1 + per_token(scale, seq_lens)) + per_token(shift, seq_lens)
         ).type_as(x)
         return self.proj_out(x)  # (n, pt*ph*pw*c)
+
+    def embed_image(
+        self, image: torch.Tensor | None, num_clips: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(b, m, image_dim) CLIP tokens -> (b*m, D) embedded tokens and their (b+1,) offsets, or Nones."""
+        image_dim = self.config.image_dim
+        if image_dim is None:
+            if image is not None:
+                raise ValueError(
+                    "image embeddings were given to a text-to-video model (image_dim is None); drop --image, "
+                    "or load an image-to-video checkpoint (Wan2.1 I2V/FLF2V)"
+                )
+            return None, None
+        if image is None:
+            raise ValueError(
+                f"this model is image-conditioned (image_dim={image_dim}) and needs each clip's CLIP image "
+                "embeddings; pass an image (sample.py --image PATH) or use a cache built with --image-encoder"
+            )
+        m = self.config.pos_embed_seq_len
+        if (
+            image.ndim != 3
+            or image.shape[0] != num_clips
+            or image.shape[2] != image_dim
+            or m not in (None, image.shape[1])
+        ):
+            want = f"({num_clips}, {m or 'tokens'}, {image_dim})"
+            raise ValueError(
+                f"image embeddings have shape {tuple(image.shape)}, expected {want}: one row of CLIP tokens per "
+                "clip (FLF2V: first and last frame's tokens concatenated)"
+            )
+        embedder = self.condition_embedder.image_embedder
+        if m is not None:
+            # diffusers' FLF2V embedder takes the two images as separate rows and pairs them itself
+            # (its input is (2b, m/2, image_dim)); ours are already paired per clip.
+            image = image.reshape(-1, m // 2, image_dim)
+        tokens_per_clip = image.shape[1] if m is None else m
+        context = embedder(image.to(dtype)).flatten(0, 1)  # (b*m, D)
+        return context, cu_seqlens_from_lengths([tokens_per_clip] * num_clips)
+
+
+def check_image_fields(
+    dim: int, image_dim: int | None, added_kv_proj_dim: int | None, pos_embed_seq_len: int | None
+) -> None:
+    """ValueError unless the image-conditioning fields describe a model diffusers can build and run."""
+    if (image_dim is None) != (added_kv_proj_dim is None):
+        raise ValueError(
+            f"image_dim={image_dim} and added_kv_proj_dim={added_kv_proj_dim}: set both (image-to-video) or neither"
+        )
+    if added_kv_proj_dim is not None and added_kv_proj_dim != dim:
+        raise ValueError(
+            f"added_kv_proj_dim={added_kv_proj_dim} must equal the width num_attention_heads * "
+            f"attention_head_dim = {dim} (the image K/V read the embedded image tokens)"
+        )
+    if pos_embed_seq_len is not None and (image_dim is None or pos_embed_seq_len % 2):
+        raise ValueError(
+            f"pos_embed_seq_len={pos_embed_seq_len} is FLF2V's two-image length: it needs image_dim and an "
+            "even value (514 for two CLIP images of 257 tokens)"
+        )

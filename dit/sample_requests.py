@@ -3,8 +3,9 @@
     requests = build_queue(["a red ball"], "queue.jsonl", defaults)
 
 A prompts file is plain text (one prompt a line), or ``.jsonl`` / ``.csv`` whose lines may each set
-``prompt``, ``frames``, ``height``, ``width``, ``steps``, ``guidance``, ``seed`` and
-``negative_prompt``; a field a line leaves out takes the command line's value (``defaults``). A
+``prompt``, ``frames``, ``height``, ``width``, ``steps``, ``guidance``, ``seed``,
+``negative_prompt``, and for image-to-video models ``image`` and ``last_image`` (paths of PNG/JPEG
+files); a field a line leaves out takes the command line's value (``defaults``). A
 request's seed is its line's ``seed``, else the global seed plus its index in the queue, so its
 noise never depends on where or with what it runs.
 """
@@ -28,6 +29,8 @@ FIELDS = {
     "guidance": float,
     "seed": int,
     "negative_prompt": str,
+    "image": str,
+    "last_image": str,
 }
 
 
@@ -44,6 +47,8 @@ class SampleRequest:
     guidance: float
     seed: int
     negative_prompt: str = ""
+    image: str = ""  # path of the first frame (image-to-video models); "" for none
+    last_image: str = ""  # path of the last frame (FLF2V models)
     where: str = ""  # "queue.jsonl line 3" or "--prompt 1": what error messages name
 
     @property
@@ -58,6 +63,9 @@ class SampleRequest:
         """Six hex digits that change with anything that changes the clip (``extra``: the model and
         output settings), so a rerun skips only clips it would write identically."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("index", "where")}
+        for name in ("image", "last_image"):  # the frames' bytes, not only their names
+            if fields[name] and Path(fields[name]).is_file():
+                fields[name] += "@" + hashlib.sha256(Path(fields[name]).read_bytes()).hexdigest()
         text = json.dumps(fields, sort_keys=True) + extra
         return hashlib.sha256(text.encode()).hexdigest()[:6]
 

@@ -21,6 +21,7 @@ class Sampler:
     shift: float | None  # the default sigma shift; None: by token count
     out_dir: Path  # where clips go unless --out says otherwise
     source: str  # what the weights are, for the output files' keys
+    image_encoder: object | None = None  # CLIP image tokens: image-to-video models with image_dim
 
 
 def load_checkpoint_sampler(
@@ -42,8 +43,19 @@ def load_checkpoint_sampler(
     model = load_sampling_model(cfg, weights, lora, lora_scale).to(device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
     vae = build_vae(cfg.data, device)
+    image_encoder = None
+    if model.config.get("image_dim") is not None:
+        from data.image_encoders import load_image_encoder
+
+        image_encoder = load_image_encoder(cfg.data.image_encoder_path, str(device))
     return Sampler(
-        model, text_encoder, vae, cfg.flow.shift, step_dir.parent.parent / "samples", str(weights.resolve())
+        model,
+        text_encoder,
+        vae,
+        cfg.flow.shift,
+        step_dir.parent.parent / "samples",
+        str(weights.resolve()),
+        image_encoder,
     )
 
 
@@ -85,10 +97,13 @@ def pretrained_shift(folder: Path) -> float | None:
 def load_pretrained_sampler(
     folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512
 ) -> Sampler:
-    """A Wan text-to-video pipeline folder: its transformer (``dit/wan_import.py``), its UMT5 text
-    encoder and tokenizer (``data/text_encoders.py``) and its Wan VAE (``data/vaes.py``)."""
+    """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
+    (``dit/wan_import.py``), its UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan
+    VAE (``data/vaes.py``) and, when the transformer has ``image_dim``, its CLIP ``image_encoder/``
+    and ``image_processor/`` (``data/image_encoders.py``)."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae
+    from dit.sampling import data_channels
     from dit.wan_import import load_pretrained
 
     path = Path(folder)
@@ -111,9 +126,22 @@ def load_pretrained_sampler(
             f"expects text_dim={model.config.text_dim}; the folder mixes parts of different models"
         )
     vae = load_vae("wan", path / "vae", device=str(device))
-    if vae.latent_channels != model.config.in_channels:
+    channels = data_channels(model)
+    if vae.latent_channels != channels:
         raise ValueError(
-            f"{path / 'vae'} makes {vae.latent_channels}-channel latents but {path / 'transformer'} takes "
-            f"in_channels={model.config.in_channels}; the folder mixes parts of different models"
+            f"{path / 'vae'} makes {vae.latent_channels}-channel latents but {path / 'transformer'} denoises "
+            f"{channels}; the folder mixes parts of different models"
         )
-    return Sampler(model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()))
+    image_encoder = None
+    if model.config.get("image_dim") is not None:
+        from data.image_encoders import load_image_encoder
+
+        if not (path / "image_encoder").is_dir():
+            raise ValueError(
+                f"--pretrained {folder}: the transformer takes CLIP image tokens (image_dim) but the folder has "
+                "no image_encoder/; pass the whole Wan I2V/FLF2V diffusers folder"
+            )
+        image_encoder = load_image_encoder(path, str(device))  # its image_encoder/ and image_processor/
+    return Sampler(
+        model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()), image_encoder
+    )

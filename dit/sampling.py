@@ -12,6 +12,7 @@ Legend: n = tokens of one clip, p = patch values, k = branches in one forward (1
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -26,7 +27,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from data.tokens import latent_shape
 from dit.attention import AttentionFn, PackedAttention
 from dit.flow import shift_for_tokens
-from dit.packing import check_divisible, grid_positions, local_seq_lens, unpatchify
+from dit.image_cond import conditioning_of, image_condition, join_condition
+from dit.packing import check_divisible, grid_positions, local_seq_lens, patchify, unpatchify
 from dit.sample_requests import SampleRequest
 
 # (x (n, p), timestep) -> (v_cond (n, p), v_uncond (n, p) or None): one guided step's velocities
@@ -86,12 +88,19 @@ def branch_velocity(
     texts: list[torch.Tensor],
     attention: AttentionFn,
     token_range: tuple[int, int] | None = None,
+    condition: torch.Tensor | None = None,
+    image_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Velocity of ``len(texts)`` branches of one clip packed into one sequence (k copies of ``x``,
-    one per text), or of its slice ``token_range`` (this rank's CP shard): (k*n or end-start, p)."""
+    one per text), or of its slice ``token_range`` (this rank's CP shard): (k*n or end-start, p).
+
+    Image-to-video models also take ``condition`` (n, P*cc), the mask and image latent joined to every
+    branch's tokens, and ``image_tokens`` (m, image_dim), the CLIP tokens of every branch."""
     k, n = len(texts), x.shape[0]
     seq_lens = torch.full((k,), n)
     x_in = x.repeat(k, 1)  # (k*n, p)
+    if condition is not None:  # the same condition under both branches -> (k*n, p + P*cc)
+        x_in = join_condition(x_in, condition.repeat(k, 1), math.prod(model.config.patch_size))
     pos = positions.repeat(k, 1)  # (k*n, 3)
     local = seq_lens
     if token_range is not None:
@@ -99,7 +108,9 @@ def branch_velocity(
         x_in, pos, local = x_in[start:end], pos[start:end], local_seq_lens(seq_lens, start, end)
     text = torch.cat(texts)  # (l, d)
     text_lens = torch.tensor([tx.shape[0] for tx in texts])
-    return model(x_in, pos, local, t.expand(k).float(), text, text_lens, attention).float()
+    # (clips here, m, image_dim): the same tokens for every branch, so for each clip of the shard
+    extra = {} if image_tokens is None else {"image": image_tokens.expand(len(local), -1, -1)}
+    return model(x_in, pos, local, t.expand(k).float(), text, text_lens, attention, **extra).float()
 
 
 def cfg_mix(v_cond: torch.Tensor, v_uncond: torch.Tensor | None, guidance: float) -> torch.Tensor:
@@ -128,6 +139,14 @@ class Prepared:
     positions: torch.Tensor  # (n, 3)
     noise: torch.Tensor  # (n, p)
     texts: list[torch.Tensor]  # [cond] or [cond, uncond]
+    condition: torch.Tensor | None = None  # (n, P*cc) mask and image latent: image-to-video models
+    image_tokens: torch.Tensor | None = None  # (m, image_dim) CLIP tokens: models with image_dim
+
+    def velocity(self, model, x, t, attention, token_range=None) -> torch.Tensor:
+        """``branch_velocity`` of this request's branches (all of ``texts``)."""
+        return branch_velocity(
+            model, x, t, self.positions, self.texts, attention, token_range, self.condition, self.image_tokens
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -138,31 +157,136 @@ def model_stride(model, vae) -> tuple[int, int, int]:
     return (1, 1, 1) if vae is None else tuple(vae.stride)
 
 
-def prepare(model, text_encoder, vae, request: SampleRequest) -> Prepared:
+def data_channels(model) -> int:
+    """Channels of the latent being denoised: the output's (an image-to-video model takes more in)."""
+    return getattr(model.config, "out_channels", None) or model.config.in_channels
+
+
+def prepare(
+    model,
+    text_encoder,
+    vae,
+    request: SampleRequest,
+    image_encoder=None,
+    images: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    noise: torch.Tensor | None = None,
+) -> Prepared:
+    """``images``: the (first, last) frames as (3, H, W) tensors in [-1, 1] instead of the files the
+    request names; ``noise`` (c, f, h, w): a latent instead of the request's seeded noise."""
     device = next(model.parameters()).device
     patch = tuple(model.config.patch_size)
     grid = request_grid(request, patch, model_stride(model, vae))
     n = grid[0] * grid[1] * grid[2]
-    p = model.config.in_channels * patch[0] * patch[1] * patch[2]
-    noise = request_noise(request, n, p).to(device)
-    return Prepared(grid, grid_positions(grid, device), noise, encode_request(text_encoder, request, device))
+    p = data_channels(model) * math.prod(patch)
+    if noise is None:
+        noise = request_noise(request, n, p)
+    else:
+        noise = patchify(noise.float(), patch)  # (n, p)
+    if images is None:
+        images = request_images(request)
+    condition, image_tokens = image_inputs(model, vae, request, *images, image_encoder)
+    return Prepared(
+        grid,
+        grid_positions(grid, device),
+        noise.to(device),
+        encode_request(text_encoder, request, device),
+        condition,
+        image_tokens,
+    )
+
+
+def request_images(request: SampleRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The request's first and last frames read from its ``image`` / ``last_image`` files."""
+    from data.image_encoders import read_image
+
+    return tuple(read_image(path) if path else None for path in (request.image, request.last_image))
+
+
+def checked_conditioning(model, vae, request: SampleRequest, image, last_image):
+    """The model's ``ImageConditioning`` (None: text-to-video) once the request's frames fit it; a
+    ValueError naming the request and the fix when they do not."""
+    where = request.label()
+    temporal = model_stride(model, vae)[0]
+    conditioning = conditioning_of(model.config, data_channels(model), temporal)
+    if conditioning is None:
+        if image is not None or last_image is not None:
+            raise ValueError(f"{where}: an image was given but this is a text-to-video model; drop --image")
+        return None, None
+    if image is None:
+        raise ValueError(
+            f"{where}: this is an image-to-video model: pass the first frame with --image PATH"
+            + (" and the last with --last-image PATH" if conditioning.last_frame else "")
+            + ' (or "image" in the queue line)'
+        )
+    if conditioning.last_frame != (last_image is not None):
+        need = (
+            "needs --last-image PATH (FLF2V: first and last frame)"
+            if conditioning.last_frame
+            else "takes no --last-image (only FLF2V models do)"
+        )
+        raise ValueError(f"{where}: this model {need}")
+    for name, frame in (("--image", image), ("--last-image", last_image)):
+        if frame is not None and tuple(frame.shape[1:]) != (request.height, request.width):
+            raise ValueError(
+                f"{where}: {name} is {frame.shape[2]}x{frame.shape[1]} but the clip is {request.width}x"
+                f"{request.height} (width x height); resize the image or pass --width {frame.shape[2]} "
+                f"--height {frame.shape[1]}"
+            )
+    return conditioning
+
+
+def image_inputs(model, vae, request: SampleRequest, image, last_image, image_encoder):
+    """-> the condition tokens (n, P*cc) and the CLIP tokens (m, image_dim) of an image-to-video model,
+    (None, None) for a text-to-video one."""
+    conditioning = checked_conditioning(model, vae, request, image, last_image)
+    if conditioning is None:
+        return None, None
+    device = next(model.parameters()).device
+    image = image.to(device, torch.float32)
+    last = None if last_image is None else last_image.to(device, torch.float32)
+    if vae is None:
+        from data.vaes import IdentityVAE
+
+        vae = IdentityVAE(image.shape[0])
+    patch = tuple(model.config.patch_size)
+    condition = patchify(image_condition(vae, image, request.frames, last), patch)  # (n, P*cc)
+    if not conditioning.clip_tokens:
+        return condition, None
+    if image_encoder is None:
+        raise ValueError(
+            f"{request.label()}: this model has image_dim: pass an image encoder (data.image_encoder_path)"
+        )
+    frames = torch.stack([image] if last is None else [image, last])
+    return condition, image_encoder.encode(frames).flatten(0, 1).to(device, torch.float32)  # (m, image_dim)
 
 
 @torch.no_grad()
 def sample_request(
-    model, text_encoder, vae, request: SampleRequest, shift: float | None = None
+    model,
+    text_encoder,
+    vae,
+    request: SampleRequest,
+    shift: float | None = None,
+    image_encoder=None,
+    images=None,
+    noise: torch.Tensor | None = None,
+    return_latents: bool = False,
 ) -> torch.Tensor:
-    """One process: -> the request's (3, f, h, w) video in [-1, 1]."""
-    prep = prepare(model, text_encoder, vae, request)
+    """One process: -> the request's (3, f, h, w) video in [-1, 1] (``return_latents``: its final
+    (c, f, h, w) latent). ``images`` and ``noise`` as ``prepare`` takes them."""
+    prep = prepare(model, text_encoder, vae, request, image_encoder, images, noise)
     attention = PackedAttention([prep.num_tokens] * len(prep.texts))
 
     def velocities(x, t):
-        v = branch_velocity(model, x, t, prep.positions, prep.texts, attention)  # (k*n, p)
+        v = prep.velocity(model, x, t, attention)  # (k*n, p)
         return (v[: x.shape[0]], v[x.shape[0] :]) if request.guided else (v, None)
 
     scheduler = request_scheduler(request, prep.num_tokens, shift, prep.noise.device)
     x = denoise(prep.noise, scheduler, velocities, request.guidance)
-    return decode(x, prep.grid, tuple(model.config.patch_size), vae)
+    patch = tuple(model.config.patch_size)
+    if return_latents:
+        return unpatchify(x, prep.grid, patch).cpu()  # (c, f, h, w)
+    return decode(x, prep.grid, patch, vae)
 
 
 @torch.no_grad()
@@ -179,26 +303,52 @@ def generate(
     shift: float | None = None,
     seed: int = 0,
     negative_prompt: str = "",
+    image: torch.Tensor | None = None,
+    last_image: torch.Tensor | None = None,
+    image_encoder=None,
+    noise: torch.Tensor | None = None,
+    return_latents: bool = False,
 ) -> list[torch.Tensor]:
     """-> one (3, f, h, w) video in [-1, 1] per prompt; prompt i uses seed ``seed + i``.
-    ``vae`` None means the model works in pixels."""
+    ``vae`` None means the model works in pixels.
+
+    Image-to-video models (extra input channels; see ``dit/image_cond.py``) take ``image`` (3, H, W) in
+    [-1, 1], the first frame of every clip (FLF2V: and ``last_image``), and ``image_encoder`` (a
+    ``data.image_encoders.ClipImageEncoder``) when they have ``image_dim``. ``noise`` (b, c, f, h, w)
+    replaces the seeded initial noise; ``return_latents`` returns the final (c, f, h, w) latents.
+    """
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
     requests = [
         SampleRequest(i, p, num_frames, height, width, steps, guidance, seed + i, negative_prompt)
         for i, p in enumerate(prompts)
     ]
-    patch, stride = tuple(model.config.patch_size), model_stride(model, vae)
-    for r in requests:  # every shape checked before the first clip is sampled
-        request_grid(r, patch, stride)
-    return [sample_request(model, text_encoder, vae, r, shift) for r in requests]
+    images = (image, last_image)
+    check_requests(model, vae, requests, images)  # every request checked before the first is sampled
+    return [
+        sample_request(
+            model,
+            text_encoder,
+            vae,
+            r,
+            shift,
+            image_encoder,
+            images,
+            None if noise is None else noise[r.index],
+            return_latents,
+        )  # fmt: skip
+        for r in requests
+    ]
 
 
-def check_requests(model, vae, requests: list[SampleRequest]) -> None:
-    """Every request's shape against the VAE stride and patch: one ValueError naming the first bad one."""
+def check_requests(model, vae, requests: list[SampleRequest], images=None) -> None:
+    """Every request's shape against the VAE stride and patch, and its frames against the model (an
+    image-to-video model needs them, a text-to-video one refuses them): one ValueError naming the
+    first bad request. ``images``: the (first, last) frames of every request instead of its files."""
     patch, stride = tuple(model.config.patch_size), model_stride(model, vae)
     for r in requests:
         request_grid(r, patch, stride)
+        checked_conditioning(model, vae, r, *(images if images is not None else request_images(r)))
 
 
 def output_path(out_dir: str | Path, request: SampleRequest, settings: str = "") -> Path:
@@ -220,6 +370,7 @@ def sample_queue(
     shift,
     fps: int = 8,
     upscale: int = 1,
+    image_encoder=None,
 ) -> list[Path]:
     """One process: each request whose file is not there yet, in queue order, written as it finishes
     (a killed job keeps what it wrote); -> the paths written."""
@@ -228,7 +379,7 @@ def sample_queue(
     if len(todo) < len(requests):
         print(f"{len(requests) - len(todo)} of {len(requests)} clips already in place; sampling {len(todo)}")
     for i, r in enumerate(todo, start=1):
-        video = sample_request(model, text_encoder, vae, r, shift)
+        video = sample_request(model, text_encoder, vae, r, shift, image_encoder)
         written.append(write_video(video, paths[r.index], fps, upscale))
         print(f"[{i}/{len(todo)}] {written[-1]}", flush=True)
     return written

@@ -35,10 +35,33 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
         from dit.wan_import import load_pretrained
 
         model = load_pretrained(cfg.pretrained)
+        check_same_task(cfg, model.config)
     else:
         model = VideoDiT(**model_kwargs(cfg.size, cfg.overrides))
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model
+
+
+def task_of(config) -> str:
+    """'image-to-video' when the model takes image conditioning (extra input channels or CLIP tokens)."""
+    conditioned = config.get("image_dim") is not None or config.get("out_channels") not in (
+        None,
+        config["in_channels"],
+    )
+    return "image-to-video" if conditioned else "text-to-video"
+
+
+def check_same_task(cfg: ModelConfig, config) -> None:
+    """ValueError when model.pretrained is a T2V checkpoint and model.size an I2V one, or the reverse."""
+    from dit.sizes import MODEL_SIZES
+
+    size = MODEL_SIZES.get(cfg.size)
+    if size is not None and task_of(size) != task_of(config):
+        raise ValueError(
+            f"model.pretrained={cfg.pretrained} is a {task_of(config)} checkpoint (in_channels "
+            f"{config['in_channels']}, image_dim {config.get('image_dim')}) but model.size={cfg.size} is "
+            f"{task_of(size)}; point model.pretrained at a {task_of(size)} checkpoint or change model.size"
+        )
 
 
 def build_text_encoder(cfg: DataConfig, text_dim: int, device: torch.device | str = "cpu"):

@@ -46,6 +46,13 @@ MODEL_SIZES: dict[str, dict] = {
         num_layers=40,
     ),
 }
+# Wan2.1 image-to-video (480P and 720P share one config): T2V-14B plus 16 noisy + 4 mask + 16 image-latent
+# input channels and CLIP ViT-H/14 image tokens (1280 wide) through added K/V in every cross-attention.
+MODEL_SIZES["wan-i2v-14b"] = dict(
+    MODEL_SIZES["wan-14b"], in_channels=36, out_channels=16, image_dim=1280, added_kv_proj_dim=5120
+)
+# Wan2.1 first-last-frame-to-video: as I2V, with two images (2 x 257 tokens) and a learned position table.
+MODEL_SIZES["wan-flf2v-14b"] = dict(MODEL_SIZES["wan-i2v-14b"], pos_embed_seq_len=514)
 
 
 def model_kwargs(size: str, overrides: dict | None = None) -> dict:

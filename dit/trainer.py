@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from data.cli import RunStopped
 from data.failures import absorb_worker_failures
+from data.image_encoders import load_image_encoder
 from dit.attention import PackedAttention
 from dit.batching import pack_by_token_budget, step_loader
 from dit.checkpoint import (
@@ -33,9 +34,10 @@ from dit.config import Config, to_dict
 from dit.device_memory import bar_text, peak_memory, reset_peak
 from dit.ema import EMA, AdapterEMA
 from dit.flops import train_step_flops
+from dit.image_cond import conditioning_of
 from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
-from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
+from dit.setup import build_datasets, build_model, build_text_encoder, build_vae, vae_stride
 from dit.tracking import Tracker, check_trackers_installed
 
 
@@ -88,19 +90,24 @@ class Trainer:
             lambda: build_text_encoder(cfg.data, self.model.config.text_dim, self.device),
             self.device,
             empty_text=getattr(self.train_set, "empty_text_emb", None),
+            build_image_encoder=lambda: load_image_encoder(cfg.data.image_encoder_path, str(self.device)),
         )
         # a latent cache says its channels; otherwise the VAE (built here, as training will need it) does
         channels = getattr(self.train_set, "latent_channels", None)
         if channels is None:
             channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
-        if (
-            self.model.config.in_channels != channels
-            or (self.model.config.out_channels or channels) != channels
-        ):
+        # text-to-video, or image-to-video (mask + image latent as extra input channels); else a ValueError
+        self.encoder.conditioning = conditioning_of(self.model.config, channels, vae_stride(cfg.data)[0])
+        if self.encoder.conditioning and cfg.train.sample_every:
             raise ValueError(
-                f"the model takes {self.model.config.in_channels} channels but the data gives {channels} "
-                f"(data.vae={cfg.data.vae!r}); change data.vae or use a model with {channels} channels"
+                f"train.sample_every={cfg.train.sample_every}: validation clips of an image-to-video model are "
+                "not supported yet; set train.sample_every=0 and sample with sample.py --image PATH"
             )
+        cached = getattr(self.train_set, "latent_channels", None) is not None
+        if self.encoder.conditioning and self.encoder.conditioning.clip_tokens and not cached:
+            _ = (
+                self.encoder.image_encoder
+            )  # built now (training needs it): a bad path fails here, not at step 1
         self._shard_model()
         self.optimizer = self._build_optimizer()
         self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)

@@ -15,8 +15,9 @@ Memory: a 14B checkpoint is ~57 GB in fp32. Import builds the model with paramet
 device and then reads one tensor at a time from the (possibly sharded) safetensors files, so the
 peak is the model plus one tensor; export writes one shard at a time.
 
-Wan extras with no counterpart here are refused with a ValueError: image conditioning (I2V/FLF2V:
-``image_dim``, ``added_kv_proj_dim``) and Wan2.2's per-token timesteps / two-expert pipelines.
+Image conditioning (Wan2.1 I2V/FLF2V: ``image_dim``, ``added_kv_proj_dim``, ``pos_embed_seq_len``)
+maps one to one as well. Wan extras with no counterpart here are refused with a ValueError: Wan2.2's
+per-token timesteps and two-expert pipelines.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ SHARED_KEYS = (
     "cross_attn_norm",
     "eps",
     "rope_max_seq_len",
+    # image conditioning (Wan2.1 I2V / FLF2V); None in text-to-video configs
+    "image_dim",
+    "added_kv_proj_dim",
+    "pos_embed_seq_len",
 )
-# Image conditioning (Wan2.1 I2V / FLF2V): no counterpart in VideoDiT.
-IMAGE_KEYS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 # diffusers drops these on load too (``WanTransformer3DModel._keys_to_ignore_on_load_unexpected``).
 IGNORED_KEY_PARTS = ("norm_added_q",)
 
@@ -80,12 +83,6 @@ def videodit_config(wan_config: Mapping, text_pad_len: int | None = WAN_TEXT_LEN
     cls = wan_config.get("_class_name", WAN_CLASS)
     if cls != WAN_CLASS:
         raise ValueError(f"config _class_name is {cls!r}, not {WAN_CLASS!r}; pass a Wan transformer folder")
-    for key in IMAGE_KEYS:
-        if wan_config.get(key) is not None:
-            raise ValueError(
-                f"Wan config sets {key}={wan_config[key]!r}: image conditioning (Wan I2V/FLF2V) is not "
-                "supported; use a text-to-video checkpoint such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-            )
     defaults = _wan_defaults()
     unknown = sorted(k for k in wan_config if not k.startswith("_") and k not in defaults)
     if unknown:
@@ -124,9 +121,7 @@ def wan_config(model: VideoDiT) -> dict:
     out.update({k: cfg[k] for k in SHARED_KEYS})
     out["patch_size"] = list(cfg.patch_size)
     out["out_channels"] = cfg.out_channels or cfg.in_channels
-    out.update(
-        qk_norm="rms_norm_across_heads", image_dim=None, added_kv_proj_dim=None, pos_embed_seq_len=None
-    )
+    out["qk_norm"] = "rms_norm_across_heads"
     return out
 
 

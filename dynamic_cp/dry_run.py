@@ -41,6 +41,7 @@ def missing_paths(cfg: Config) -> list[str]:
         "model.pretrained": cfg.model.pretrained,
         "data.vae_path": cfg.data.vae_path,
         "data.text_encoder_path": cfg.data.text_encoder_path,
+        "data.image_encoder_path": cfg.data.image_encoder_path,
     }
     source = cfg.data.source
     if source != "synthetic" and not (":" in source and os.sep not in source.split(":", 1)[0]):

@@ -29,3 +29,24 @@ def tiny_overrides(tmp_path, **extra) -> list[str]:
 @pytest.fixture
 def tiny_overrides_fn():
     return tiny_overrides
+
+
+def save_small_clip(path) -> str:
+    """A small random CLIPVisionModel (12 wide, 32 px, 16 px patches: 5 tokens) and its processor, saved
+    where data.image_encoder_path can point: a stand-in for Wan2.1 I2V's ViT-H/14."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(
+        hidden_size=12,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+    )
+    CLIPVisionModel(config).save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        path
+    )
+    return str(path)

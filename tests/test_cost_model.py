@@ -464,3 +464,20 @@ def test_scaled_model_is_the_same_cluster_slower(comm):
     )
     with pytest.raises(ValueError, match="positive"):
         base.scaled(0.0)
+
+
+def test_image_kv_is_priced_like_text_context():
+    """Wan I2V: 257 CLIP tokens (FLF2V 514) per clip go through add_k/add_v and their own attention,
+    which cost what as many more text tokens cost; the dims come from the model config."""
+    i2v, flf2v, t2v = MODELS["wan-i2v-14b"], MODELS["wan-flf2v-14b"], MODELS["wan-14b"]
+    assert (i2v.image_tokens, flf2v.image_tokens, t2v.image_tokens) == (257, 514, 0)
+    assert i2v.context_tokens == 512 + 257
+    # per block the image K/V add 2 d^2 parameters
+    assert i2v.num_params - t2v.num_params == 40 * 2 * 5120**2
+    hw = Hardware.load("h100")
+    priced = CostModel(i2v, hw)
+    as_text = CostModel(dataclasses.replace(t2v, text_tokens=512 + 257), hw)
+    for lengths, cp in (([32760], 4), ([4096, 1024, 300], 1)):
+        assert priced.micro_batch_time(lengths, cp) == as_text.micro_batch_time(lengths, cp)
+        assert priced.micro_batch_time(lengths, cp) > CostModel(t2v, hw).micro_batch_time(lengths, cp)
+    assert priced.ideal_time([32760]) == pytest.approx(as_text.ideal_time([32760]))

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import save_small_clip
 
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
@@ -79,7 +80,15 @@ CASES = {
     },
     "static": {"parallel.mode": "static", "parallel.static_cp_size": 2, "parallel.cp_method": "ring"},
     "uneven": {"parallel.mode": "dynamic", "train.global_batch_size": 3, "parallel.plan_ahead": False},
+    # image-to-video: 3 + 1 mask + 3 image channels in, CLIP tokens (a small random CLIPVisionModel,
+    # written by the fixture) through the image K/V; condition tokens and CLIP tokens are routed too
+    "i2v": {
+        "parallel.mode": "dynamic",
+        "model.overrides": "{num_layers: 2, patch_size: [1, 4, 4], in_channels: 7, out_channels: 3, "
+        "image_dim: 12, added_kv_proj_dim: 128}",
+    },
 }
+CLIP = "clip"  # written into the run's root by the fixture
 
 
 @torch.no_grad()
@@ -91,10 +100,15 @@ def perturb(model: torch.nn.Module) -> None:
         p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
+def _image_encoder(case: str, out: str) -> dict:
+    return {"data.image_encoder_path": str(Path(out).parent / CLIP)} if case == "i2v" else {}
+
+
 def _one_step(case: str, out: str, plant_scale: float | None = None) -> dict:
     # Latency-free links make the cost model's 2-D split win at CP 4 (with latency, ring's fewer
     # calls win at these tiny sizes); the profile only changes prices, never the maths.
     hardware = {"parallel.hardware": str(Path(out).parent / PROFILE)} if case == "hybrid" else {}
+    hardware |= _image_encoder(case, out)
     cfg = load_config(CONFIG, overrides(out, **CASES[case], **hardware))
     trainer = DistributedTrainer(cfg, dist.group.WORLD)
     perturb(trainer.model)
@@ -194,7 +208,8 @@ def reference_step(case: str, out: str) -> tuple[dict, dict, dict]:
 
 
 def _reference_step(case: str, out: str) -> tuple[dict, dict, dict]:
-    cfg = load_config(CONFIG, overrides(out, **{**CASES[case], "parallel.mode": "none"}))
+    extra = {**CASES[case], "parallel.mode": "none", **_image_encoder(case, out)}
+    cfg = load_config(CONFIG, overrides(out, **extra))
     trainer = Trainer(cfg, device=torch.device("cpu"))
     perturb(trainer.model)
     grads = record_step_grads(trainer)
@@ -211,6 +226,7 @@ def results(tmp_path_factory):
         Hardware.load("h100"), name="zero-latency", intra_node_latency_s=0.0, inter_node_latency_s=0.0
     )
     (root / PROFILE).write_text(zero_latency.to_yaml())
+    save_small_clip(root / CLIP)
     out = run_gloo(worker, WORLD, str(root), timeout_s=240)
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
@@ -220,6 +236,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_equals_single_process(results, case, tmp_path):
     root, out = results
+    (tmp_path / CLIP).symlink_to(root / CLIP)  # the i2v case's image encoder, beside the run
     ref, ref_metrics, ref_grads = reference_step(case, str(tmp_path / "ref"))
     res = out[0][case]
     if case != "uneven":

@@ -340,8 +340,8 @@ def test_error_names_missing_and_unexpected_tensors():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"image_dim": 1280}, "image conditioning"),
-        ({"added_kv_proj_dim": 36}, "image conditioning"),
+        ({"image_dim": 1280}, "set both"),
+        ({"added_kv_proj_dim": 36}, "set both"),
         ({"qk_norm": "layer_norm"}, "rms_norm_across_heads"),
         ({"window_size": [-1, -1]}, "unknown to diffusers"),
         ({"_class_name": "HunyuanVideoTransformer3DModel"}, "not 'WanTransformer3DModel'"),

@@ -3,7 +3,9 @@
 Every plan (ours, static CP, Megatron's) is scored by this one model, so comparisons are like for like.
 
 Time of a packed micro-batch of clips with lengths L_i on a CP group of c ranks, training (fwd+bwd),
-per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T text tokens:
+per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T cross-attention
+context tokens (text, plus image tokens for Wan I2V, whose add_k/add_v projections and attention cost
+what text k/v and text attention cost per token):
 
     linear      3 * layers * (12 d^2 + 4 d f) * n            / (peak * eff_gemm(n))
     text k/v    3 * layers * 4 T d^2 * b                     / (peak * eff_gemm(T b))  every rank needs it
@@ -132,36 +134,53 @@ class ModelDims:
     layers: int
     ffn: int  # FFN inner width
     heads: int
-    text_tokens: int = 512  # cross-attention context length
+    text_tokens: int = 512  # cross-attention text context length
+    image_tokens: int = 0  # image tokens per clip of an image-conditioned model (Wan I2V: 257, FLF2V: 514)
 
     def __post_init__(self):
         for f in fields(self):
-            if int(getattr(self, f.name)) < 0 or (f.name != "text_tokens" and getattr(self, f.name) < 1):
+            may_be_zero = f.name in ("text_tokens", "image_tokens")
+            if int(getattr(self, f.name)) < 0 or (not may_be_zero and getattr(self, f.name) < 1):
                 raise ValueError(f"model dimension {f.name}={getattr(self, f.name)} must be positive")
 
     @property
+    def context_tokens(self) -> int:
+        """Cross-attention keys per clip: text, then image (separate K/V, same cost per token)."""
+        return self.text_tokens + self.image_tokens
+
+    @property
     def num_params(self) -> int:
-        # self-attn 4d^2 + cross-attn 4d^2 + FFN 2df per block; embeddings are negligible here.
-        return self.layers * (8 * self.d * self.d + 2 * self.d * self.ffn)
+        # self-attn 4d^2 + cross-attn 4d^2 (+ image K/V 2d^2) + FFN 2df per block; embeddings are
+        # negligible here.
+        cross = 6 if self.image_tokens else 4
+        return self.layers * ((4 + cross) * self.d * self.d + 2 * self.d * self.ffn)
 
     @classmethod
     def from_config(cls, config, text_tokens: int = 512) -> ModelDims:
         """Dims of a VideoDiT (or diffusers Wan) config: a mapping with ``num_attention_heads``,
-        ``attention_head_dim``, ``num_layers`` and ``ffn_dim``, as in ``dit.sizes.MODEL_SIZES``."""
+        ``attention_head_dim``, ``num_layers`` and ``ffn_dim``, as in ``dit.sizes.MODEL_SIZES``; with
+        ``image_dim`` set, the image tokens (``pos_embed_seq_len``, else one CLIP image's 257)."""
         heads = config["num_attention_heads"]
+        image_tokens = 0
+        if config.get("image_dim") is not None:
+            image_tokens = config.get("pos_embed_seq_len") or CLIP_IMAGE_TOKENS
         return cls(
             d=heads * config["attention_head_dim"],
             layers=config["num_layers"],
             ffn=config["ffn_dim"],
             heads=heads,
             text_tokens=text_tokens,
+            image_tokens=image_tokens,
         )
 
+
+CLIP_IMAGE_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + the class token (Wan2.1 I2V)
 
 # Name -> dims registry, like DiT's size table. Wan2.1 sizes from its config files; Wan pads
 # captions to 512 umT5 tokens.
 MODELS: dict[str, ModelDims] = {
-    name: ModelDims.from_config(MODEL_SIZES[name], text_tokens=512) for name in ("wan-1.3b", "wan-14b")
+    name: ModelDims.from_config(MODEL_SIZES[name], text_tokens=512)
+    for name in ("wan-1.3b", "wan-14b", "wan-i2v-14b", "wan-flf2v-14b")
 }
 
 
@@ -187,7 +206,7 @@ class CostModel:
         # more), and the share of the fwd+bwd overheads a pass pays
         self._ulysses_calls, self._ring_passes = (4, 1) if forward_only else (8, 3)
         self._overhead_share = 1 / LINEAR_TRAIN if forward_only else 1.0
-        d, f, T, layers = dims.d, dims.ffn, dims.text_tokens, dims.layers
+        d, f, T, layers = dims.d, dims.ffn, dims.context_tokens, dims.layers
         self._lin_per_token = lin * layers * linear_flops_per_token(d, f)
         self._text_per_clip = lin * layers * text_kv_flops(T, d)
         self._attn_coef = attn * layers * attention_flops(1, d)  # times (L^2 + L T)
@@ -229,12 +248,12 @@ class CostModel:
     def _text_time(self, clips):
         """Seconds of the text k/v projections of ``clips`` clips: GEMMs over their T * clips text
         tokens (not the n video tokens); none for a model without text (T = 0, where the rate is 0)."""
-        T = self.dims.text_tokens
+        T = self.dims.context_tokens
         return self._text_per_clip * clips / self._gemm_rate(T * clips) if T > 0 else 0.0
 
     def _attn_time(self, L, cp):
         """Attention seconds per rank of clips of ``L`` tokens split over ``cp`` ranks (broadcasts)."""
-        return self._attn_coef * (L * L + L * self.dims.text_tokens) / cp / self._attn_rate(L / cp)
+        return self._attn_coef * (L * L + L * self.dims.context_tokens) / cp / self._attn_rate(L / cp)
 
     # ---------------------------------------------------------------- communication
     def cp_layout(self, cp: int) -> list[tuple[int, int]]:
@@ -379,7 +398,9 @@ class CostModel:
         hw = self.hw
         lin = (self._lin_per_token * L + self._text_per_clip) / (hw.peak_flops * hw.gemm_efficiency)
         attn = (
-            self._attn_coef * (L * L + L * self.dims.text_tokens) / (hw.peak_flops * hw.attention_efficiency)
+            self._attn_coef
+            * (L * L + L * self.dims.context_tokens)
+            / (hw.peak_flops * hw.attention_efficiency)
         )
         return lin + attn
 
@@ -401,7 +422,7 @@ class CostModel:
         shape = Shape(
             self.dims.d,
             self.dims.layers,
-            self.dims.text_tokens,
+            self.dims.context_tokens,
             self._lin_per_token,
             self._text_per_clip,
             self._attn_coef,

@@ -190,7 +190,11 @@ def empty_micro_batch_loss(model: torch.nn.Module, device: torch.device) -> torc
     def no_attention(q, k, v):  # (0, h, d) in, (0, h, d) out; keeps q, k, v in the graph
         return q + k + v
 
-    pred = model(tokens, positions, one, torch.zeros(1, device=device), text, one, no_attention)
+    extra = {}
+    if cfg.get("image_dim") is not None:  # an image-conditioned model: one clip's CLIP tokens of zeros
+        m = cfg.get("pos_embed_seq_len") or 1
+        extra["image"] = torch.zeros(1, m, cfg.image_dim, device=device)  # (1, m, image_dim)
+    pred = model(tokens, positions, one, torch.zeros(1, device=device), text, one, no_attention, **extra)
     return pred.float().sum()  # (0, p_out) -> 0.0
 
 

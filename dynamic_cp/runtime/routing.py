@@ -65,11 +65,18 @@ class ClipHeader:
     patch_values: int  # p
     text_tokens: int  # l
     text_dim: int  # d
+    condition_values: int = 0  # image-to-video: mask + image latent values per token (P*cc), else 0
+    image_tokens: int = 0  # Wan I2V CLIP tokens m, else 0
+    image_dim: int = 0
 
     @property
     def numel(self) -> int:
-        # x0 (n, p) + noise (n, p) + positions (n, 3) + text (l, d)
-        return self.num_tokens * (2 * self.patch_values + 3) + self.text_tokens * self.text_dim
+        # x0 (n, p) + noise (n, p) + positions (n, 3) + text (l, d) + condition (n, P*cc) + image (m, e)
+        return (
+            self.num_tokens * (2 * self.patch_values + 3 + self.condition_values)
+            + self.text_tokens * self.text_dim
+            + self.image_tokens * self.image_dim
+        )
 
 
 def _header(sample_id: int, clip: TrainClip) -> ClipHeader:
@@ -81,18 +88,24 @@ def _header(sample_id: int, clip: TrainClip) -> ClipHeader:
         clip.x0.shape[1],
         clip.text.shape[0],
         clip.text.shape[1],
+        0 if clip.condition is None else clip.condition.shape[1],
+        *((0, 0) if clip.image is None else clip.image.shape),
     )
 
 
 def _flatten(clip: TrainClip) -> torch.Tensor:
     # positions are small non-negative integers (< 2^24), exact in float32
     parts = (clip.x0, clip.noise, clip.positions, clip.text)
+    parts += tuple(t for t in (clip.condition, clip.image) if t is not None)
     return torch.cat([t.reshape(-1).to(torch.float32) for t in parts])
 
 
 def _unflatten(h: ClipHeader, flat: torch.Tensor) -> TrainClip:
     n, p, nt, d = h.num_tokens, h.patch_values, h.text_tokens, h.text_dim
-    x0, noise, positions, text = torch.split(flat, [n * p, n * p, n * 3, nt * d])
+    pc, m, e = h.condition_values, h.image_tokens, h.image_dim
+    x0, noise, positions, text, condition, image = torch.split(
+        flat, [n * p, n * p, n * 3, nt * d, n * pc, m * e]
+    )
     return TrainClip(
         h.index,
         x0.view(n, p).clone(),
@@ -100,6 +113,8 @@ def _unflatten(h: ClipHeader, flat: torch.Tensor) -> TrainClip:
         h.sigma,
         positions.view(n, 3).long(),
         text.view(nt, d).clone(),
+        condition.view(n, pc).clone() if pc else None,
+        image.view(m, e).clone() if m else None,
     )
 
 

@@ -97,11 +97,18 @@ def _exchange(v: torch.Tensor, partner: int) -> torch.Tensor:
 
 @torch.no_grad()
 def run_placement(
-    model, text_encoder, vae, request: SampleRequest, placement: Placement, groups: CPGroups, shift
+    model,
+    text_encoder,
+    vae,
+    request: SampleRequest,
+    placement: Placement,
+    groups: CPGroups,
+    shift,
+    image_encoder=None,
 ) -> torch.Tensor | None:
     """Sample ``request`` on this rank's part of ``placement``; -> the video on the owner, else None."""
     rank = groups.rank
-    prep = prepare(model, text_encoder, vae, request)
+    prep = prepare(model, text_encoder, vae, request, image_encoder)
     n = prep.num_tokens
     cfg = placement.cfg_ranks is not None
     cond_side = rank in placement.ranks
@@ -120,7 +127,9 @@ def run_placement(
         partner = other[ranks.index(rank)]
 
     def velocities(x, t):
-        v = branch_velocity(model, x, t, prep.positions, texts, attention, token_range)  # (k*n/c, p)
+        v = branch_velocity(
+            model, x, t, prep.positions, texts, attention, token_range, prep.condition, prep.image_tokens
+        )  # (k*n/c, p)
         if group is not None:
             v = gather_shards(v, group, info)  # (k*n, p)
         if cfg:
@@ -144,13 +153,14 @@ def run_plan(
     groups: CPGroups,
     shift,
     on_done,
+    image_encoder=None,
 ) -> None:
     """This rank's placements of ``plan`` (its jobs index ``requests``) in plan order; the owner of
     each calls ``on_done(request, video, placement, seconds)``."""
     for placement in plan.for_rank(groups.rank):
         request = requests[placement.job]
         t0 = time.perf_counter()
-        video = run_placement(model, text_encoder, vae, request, placement, groups, shift)
+        video = run_placement(model, text_encoder, vae, request, placement, groups, shift, image_encoder)
         if video is not None:
             on_done(request, video, placement, time.perf_counter() - t0)
 
@@ -233,6 +243,16 @@ def sample_queue_distributed(
             flush=True,
         )
 
-    run_plan(model, sampler.text_encoder, sampler.vae, todo_requests, plan, groups, shift, on_done)
+    run_plan(
+        model,
+        sampler.text_encoder,
+        sampler.vae,
+        todo_requests,
+        plan,
+        groups,
+        shift,
+        on_done,
+        sampler.image_encoder,
+    )
     dist.barrier()  # every clip is written before any rank reports success
     return written
