@@ -211,7 +211,7 @@ def checked_conditioning(model, vae, request: SampleRequest, image, last_image):
     if conditioning is None:
         if image is not None or last_image is not None:
             raise ValueError(f"{where}: an image was given but this is a text-to-video model; drop --image")
-        return None, None
+        return None
     if image is None:
         raise ValueError(
             f"{where}: this is an image-to-video model: pass the first frame with --image PATH"

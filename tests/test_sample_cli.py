@@ -7,6 +7,7 @@ EMA, so --weights is visible too.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -73,23 +74,21 @@ def test_files_seed_fps_upscale_prompts_file_and_default_out(run_dir, tmp_path):
     argv = ["--checkpoint", str(run_dir), *SMALL, "--upscale", "2", "--seed", "7", "--fps", "5"]
     assert sample.main([*argv, "--prompt", "first", "--prompts-file", str(prompts), "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == [
-        "00_first_seed7.mp4",
-        "01_a_blue_square_seed7.mp4",
-        "02_a_green_dot_seed7.mp4",
-        "grid_seed7.png",
-    ]
+    # request i takes seed --seed + i; the six hex digits key what made the clip (rerun skips)
+    patterns = [r"00_first_seed7_[0-9a-f]{6}\.mp4", r"01_a_blue_square_seed8_[0-9a-f]{6}\.mp4",
+                r"02_a_green_dot_seed9_[0-9a-f]{6}\.mp4", r"grid_seed7\.png"]  # fmt: skip
+    assert len(names) == 4 and all(re.fullmatch(p, n) for p, n in zip(patterns, names)), names
     assert imageio.imread(out / "grid_seed7.png").shape == (3 * 16, 16, 3)  # 3 prompts, 8 px x 2
     import av
 
-    with av.open(str(out / "00_first_seed7.mp4")) as f:
+    with av.open(str(out / names[0])) as f:
         assert f.streams.video[0].average_rate == 5
         assert (f.streams.video[0].height, f.streams.video[0].width) == (16, 16)
     no_grid = [a for a in SMALL if a != "--grid"]
     assert sample.main(["--checkpoint", str(run_dir), *no_grid, "--prompt", "x"]) == 0
     written = sorted(p.name for p in (run_dir / "samples").iterdir())  # the default --out
-    assert written == ["00_x_seed0.mp4"]
-    with av.open(str(run_dir / "samples" / "00_x_seed0.mp4")) as f:
+    assert len(written) == 1 and re.fullmatch(r"00_x_seed0_[0-9a-f]{6}\.mp4", written[0]), written
+    with av.open(str(run_dir / "samples" / written[0])) as f:
         assert f.streams.video[0].average_rate == 8  # the default --fps
 
 
@@ -117,7 +116,9 @@ def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
         "python sample.py --checkpoint runs/tiny --prompt",
         "run directory (its latest checkpoint) or a step_* dir",
         "a prompt; repeat for several",
-        "a text file with one prompt per line",
+        "one prompt a line (.txt), or a .jsonl / .csv queue with per-line settings",
+        "first frame for an image-to-video model",
+        "last frame for a first-last-frame (FLF2V) model",
         "EMA (default) or raw weights",
         "Euler steps",
         "classifier-free guidance scale; 1 disables",
@@ -126,7 +127,7 @@ def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
         "also write a PNG grid of all frames",
         "a Wan LoRA .safetensors file",
         "strength of --lora (0 = the base)",
-        "output directory (default: <run>/samples)",
+        "output directory (default: <run>/samples, or ./samples for --pretrained)",
     ]:
         assert words in text, words
     with pytest.raises(SystemExit):

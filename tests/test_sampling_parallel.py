@@ -137,3 +137,61 @@ def test_the_planners_plan_gives_the_one_process_clips(references):
     plans = [placements for _, placements in results]
     assert all(p == plans[0] for p in plans)  # every rank planned the same
     _check(results, references[False], "planned W=2")
+
+
+# Image-to-video, pixel space: 3 noisy + 1 mask + 3 image channels in, 3 out; CLIP tokens (image_dim)
+# through the small random CLIP of tests/conftest.py. (frames, height, width, guidance, FLF2V)
+I2V_SHAPES = [(3, 6, 10, 4.0), (2, 4, 6, 1.0), (5, 2, 14, 3.0)]
+I2V_PLAN = [P(0, (0, 1, 2), (1, 3)), P(1, (0, 1), (2, 1)), P(2, (2,), cfg=(0,))]  # ring, Ulysses, CFG-parallel
+
+
+def make_i2v_model() -> VideoDiT:
+    torch.manual_seed(1)
+    return VideoDiT(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=7, out_channels=3,
+        text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2, adaln_zero_init=False, image_dim=12,
+        added_kv_proj_dim=32,
+    ).eval()  # fmt: skip
+
+
+def _i2v_worker(rank, world_size, requests, clip_path):
+    import torch.distributed as dist
+
+    from data.image_encoders import load_image_encoder
+    from dynamic_cp.runtime.groups import build_cp_groups
+    from dynamic_cp.runtime.sampling import run_plan
+
+    model, enc, clip = make_i2v_model(), HashedTextEncoder(dim=16), load_image_encoder(clip_path)
+    groups = build_cp_groups(dist.group.WORLD, None, splits=cost_model(model).cp_layout)
+    videos = {}
+    done = lambda r, v, p, s: videos.__setitem__(r.index, v)  # noqa: E731
+    run_plan(model, enc, None, requests, SamplingPlan(world_size, I2V_PLAN), groups, None, done, clip)
+    return videos, None
+
+
+def test_image_to_video_requests_on_3_ranks_give_the_one_process_clips(tmp_path):
+    """The condition (mask + image latent) and the CLIP tokens go with every shard and every CFG
+    branch: a ring over 3 ranks, Ulysses over 2 and CFG-parallel give the one-process clips."""
+    import imageio.v2 as imageio
+    from conftest import save_small_clip
+
+    from data.image_encoders import load_image_encoder
+
+    clip_path = save_small_clip(tmp_path / "clip")
+    rng = torch.Generator().manual_seed(3)
+    requests = []
+    for i, (f, h, w, g) in enumerate(I2V_SHAPES):
+        image = tmp_path / f"first{i}.png"
+        imageio.imwrite(image, torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+        requests.append(SampleRequest(i, f"prompt {i}", f, h, w, 3, g, 200 + i, "", str(image)))
+    model, clip = make_i2v_model(), load_image_encoder(clip_path)
+    refs = [sample_request(model, HashedTextEncoder(dim=16), None, r, None, clip) for r in requests]
+    without = SampleRequest(0, "prompt 0", 3, 6, 10, 3, 4.0, 200)  # the image matters
+    assert (refs[0] - sample_request(model, HashedTextEncoder(dim=16), None, without, None, clip, (
+        torch.zeros(3, 6, 10), None))).abs().max() > 1e-3  # fmt: skip
+    results = run_gloo(_i2v_worker, 3, requests, clip_path)
+    owned = {i: v for videos, _ in results for i, v in videos.items()}
+    assert sorted(owned) == [0, 1, 2]
+    for i, video in owned.items():
+        diff = float((video - refs[i]).abs().max())
+        assert diff <= TOL, f"image-to-video request {i} differs from one process by {diff:.2e}"
