@@ -89,8 +89,13 @@ def eager_attention(attention: AttentionFn, *args) -> torch.Tensor:
     varlen kernel walks the clips of the micro-batch, whose count and lengths change each step: traced,
     they would specialize the graph on them and recompile for every new packing. In eager mode this
     is a plain call.
+
+    The output leaves as a tensor of its own, not a view: compiled code that resumes after the break
+    guards on a view's base, and the kernels return a view for some packings and not for others,
+    which recompiled the block's resume frames once (tests/test_compile.py).
     """
-    return attention(*args)
+    out = attention(*args)
+    return out.clone() if out._base is not None else out
 
 
 class RotaryEmbedding3D(nn.Module):
