@@ -176,7 +176,7 @@ def test_values_are_converted_or_rejected_by_their_type():
         (["flow.shift=[1]"], "flow.shift=[1] does not fit"),
         (
             ["train.compile=true"],
-            "unknown config key train.compile; valid keys here are: betas, checkpoint_every",
+            "unknown config key train.compile; valid keys here are: async_checkpoint, betas, checkpoint_every",
         ),
         (["train=3"], "train must be a mapping, got 3"),
         (["model.lora=5"], "model.lora must be a mapping"),
