@@ -342,6 +342,8 @@ class DistributedTrainer(Trainer):
         if busy:
             dist.barrier(group=self.world)  # the others wait here for rank 0's side work
         set_collective_timeout(self.cfg.parallel.timeout_s)
+        # what follows is the next step's work, its data routing (route_clips) before run_step included
+        self._doing = f"step {step + 1}"
 
     def train(self) -> None:
         self._doing = "the start-up (step-0 validation, first plan)"
