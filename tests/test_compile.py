@@ -99,6 +99,7 @@ def test_thirty_steps_of_training_log_at_most_one_recompile(tmp_path, monkeypatc
     resume frames."""
     overrides = [  # the tiny config as a user compiles it, with longer clips (issue 26's command)
         f"output_dir={tmp_path}",
+        "model.overrides={num_layers: 2}",  # the recompiles are per block code, not per layer: 2 show sharing
         "data.num_clips=64",
         "data.num_val_clips=2",
         "data.frame_counts=[1, 5, 9, 17]",  # 64 to 1,632 tokens: micro-batches of 1 to 8 clips
