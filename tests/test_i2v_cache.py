@@ -263,3 +263,16 @@ def test_lora_trained_from_the_cache_loads_into_wan_image_to_video_pipeline(part
     # the last bit; 2 AdamW steps at lr 1e-2 move the zero-initialised B matrices by ~1e-2 per entry,
     # which moves the latents by far more than 1e-4 (measured: 0.14 on latents of up to 3.5).
     assert float((after - before).abs().max()) > 1e-4
+
+
+def test_bad_image_flags_get_one_line(parts, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "c")]
+    with pytest.raises(SystemExit):  # argparse: a CLIP folder alone caches nothing
+        cache.main([*out, *cache_args(parts, "--image-encoder", parts["clip"])])
+    assert "--image-encoder needs --image-condition first" in capsys.readouterr().err
+    assert (
+        cache.main([*out, *cache_args(parts, "--image-condition", "first", "--image-encoder", "nope")]) == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--image-encoder nope is not a folder" in err[0], err
+    assert not (tmp_path / "c").exists()  # refused before anything is written
