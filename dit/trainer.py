@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data.cache_dataset import LatentCacheDataset
 from data.cli import RunStopped
 from data.failures import absorb_worker_failures
 from data.image_encoders import load_image_encoder
@@ -111,7 +112,7 @@ class Trainer:
                 "not supported yet; set train.sample_every=0 and sample with sample.py --image PATH"
             )
         cached = getattr(self.train_set, "latent_channels", None) is not None
-        if cached:  # a cache made for another model (VAE, image conditioning) is refused here, in one line
+        if isinstance(self.train_set, LatentCacheDataset):  # one made for another model is refused here
             check_cache_fits(cfg.data, self.train_set, self.encoder.conditioning, self.model.config.image_dim)
         if self.encoder.conditioning and self.encoder.conditioning.clip_tokens and not cached:
             _ = (
