@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def build(parts, name: str, *flags: str) -> str:
     return out
 
 
-def trainer(parts, tmp_path, source: str, flf2v: bool = False, model: str = MODEL) -> Trainer:
+def overrides_for(parts, tmp_path, source: str, flf2v: bool = False, model: str = MODEL) -> list[str]:
     model += ", pos_embed_seq_len: 10}" if flf2v else "}"  # FLF2V: 2 images x 5 CLIP tokens
     overrides = {
         "output_dir": str(tmp_path / "run"),
@@ -89,7 +90,11 @@ def trainer(parts, tmp_path, source: str, flf2v: bool = False, model: str = MODE
     }
     if source == parts["videos"]:  # the clip policy the cache was made with
         overrides["data.options"] = f"{{fps: 12, max_frames: 5, resolution: 32, min_frames: {1 + flf2v}}}"
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def trainer(parts, tmp_path, source: str, flf2v: bool = False, model: str = MODEL) -> Trainer:
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides_for(parts, tmp_path, source, flf2v, model))
     return Trainer(cfg, device=torch.device("cpu"))
 
 
@@ -144,7 +149,7 @@ def test_a_step_from_the_cache_equals_the_step_from_the_videos(parts, tmp_path, 
     assert float(grads_v["blocks.1.attn2.add_k_proj.weight"].abs().max()) > 0  # CLIP tokens are used
 
 
-def test_a_cache_for_another_model_is_refused(parts, tmp_path):
+def test_a_cache_for_another_model_is_refused(parts, tmp_path, capsys):
     t2v_cache = build(parts, "cache-t2v")
     i2v_cache = build(parts, "cache-first", "--image-condition", "first", "--image-encoder", parts["clip"])
     fix = rf"re-run python -m data.cache with --image-condition first --image-encoder {parts['clip']}"
@@ -172,6 +177,16 @@ def test_a_cache_for_another_model_is_refused(parts, tmp_path):
             trainer(parts, tmp_path / "e", i2v_cache)
     finally:
         os.replace(os.path.join(tmp_path, "kept.json"), os.path.join(i2v_cache, "index.json"))
+    # train.py --dry-run says the same before any GPU hour (it used to count 12 model channels against
+    # the cache's 4 and call every image-to-video model a mismatch)
+    import train
+
+    capsys.readouterr()
+    config = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--dry-run"]
+    assert train.main([*config, *overrides_for(parts, tmp_path / "g", t2v_cache)]) == 1
+    assert re.search(rf"cached for a text-to-video model .*{fix}", capsys.readouterr().out)
+    assert train.main([*config, *overrides_for(parts, tmp_path / "h", i2v_cache)]) == 0
+    assert "no problems found" in capsys.readouterr().out
     # the T2V cache still trains a T2V model (the check lets a matching cache through)
     trainer(parts, tmp_path / "f", t2v_cache, model=T2V_MODEL)
 
