@@ -360,6 +360,11 @@ def cache_from_args(args, world: World, device) -> dict:
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae
 
+    if args.image_encoder is not None and not os.path.isdir(args.image_encoder):  # before the VAE loads
+        raise ValueError(
+            f"--image-encoder {args.image_encoder} is not a folder; pass the local CLIPVisionModel folder "
+            "(the model's data.image_encoder_path, e.g. Wan2.1-I2V-14B-480P-Diffusers/image_encoder)"
+        )
     vae = load_vae(args.vae, args.vae_path, device=device)
     text = load_text_encoder(
         args.text_encoder, args.text_path, args.max_length, device=device,
@@ -372,23 +377,19 @@ def cache_from_args(args, world: World, device) -> dict:
         if args.image_encoder is not None:
             from data.image_encoders import load_image_encoder
 
-            if not os.path.isdir(args.image_encoder):
-                raise ValueError(
-                    f"--image-encoder {args.image_encoder} is not a folder; pass the local CLIPVisionModel folder "
-                    "(the model's data.image_encoder_path, e.g. Wan2.1-I2V-14B-480P-Diffusers/image_encoder)"
-                )
             encoder = load_image_encoder(args.image_encoder, device=str(device))
         image = ImageCondition(args.image_condition == "first-last", encoder)
     options = {k: getattr(args, k) for k in ("fps", "max_frames", "resolution", "max_tokens")}
     options = {k: v for k, v in options.items() if v is not None}
     options.update(parse_options(args.option))
     options["vae_stride"] = vae.stride  # the cache's latents define the stride, not a guess
-    if world.rank != 0 and (os.path.isdir(args.source) or args.source.endswith((".csv", ".jsonl"))):
+    videos = os.path.isdir(args.source) or args.source.endswith((".csv", ".jsonl"))  # a clip policy applies
+    if world.rank != 0 and videos:
         options.setdefault("progress", False)  # one probing progress bar, not one per rank
-    if image is not None and image.last_frame and options.get("min_frames", 1) < 2:
+    if image is not None and image.last_frame and videos and options.get("min_frames", 1) < 2:
         raise ValueError(
             "--image-condition first-last needs clips of 2 or more frames (a first and a last): add "
-            "--option min_frames=2, and train from the videos with the same data.options"
+            "--option min_frames=2 (and data.options.min_frames=2 to train from the videos themselves)"
         )
     dataset = build_dataset(args.source, **options)
     policy = getattr(dataset, "policy", None)
