@@ -19,7 +19,9 @@ from data.types import ClipMeta
 
 # The cache format is the reader's: the writer (data.cache) imports these, never the other way.
 FORMAT = "dcp-latent-cache"
-VERSION = 2  # 2: the per-sample table moved from index.json to samples.safetensors (data/cache_index.py)
+# 2: the per-sample table moved from index.json to samples.safetensors (data/cache_index.py)
+# 3: image-to-video conditioning ("image_condition" in the index; "<k>.image_latent", "<k>.image_emb")
+VERSION = 3
 INDEX = "index.json"
 EMPTY_TEXT = "empty_text.safetensors"  # the text encoder's output for ""
 SETTINGS = "settings.json"  # written first: a cache in progress, and the settings every shard must match
@@ -47,6 +49,11 @@ class LatentCacheDataset(Dataset):
             self.index = json.load(f)
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{index_path} is not a {FORMAT} index (format={self.index.get('format')!r})")
+        if self.index.get("version", 1) > VERSION:
+            raise ValueError(
+                f"{index_path} is a version {self.index['version']} cache; this code reads up to version "
+                f"{VERSION}: update the code, or re-run python -m data.cache with this version"
+            )
         self.root = root
         # version 1 listed every sample in index.json (still read); version 2 keeps them in columns
         self.samples = (
@@ -57,6 +64,10 @@ class LatentCacheDataset(Dataset):
         self.vae_stride = tuple(self.index["vae"]["stride"])
         self.latent_channels = self.index["latent_channels"]
         self.text_dim = self.index["text_dim"]
+        self.vae_kind = self.index["vae"]["kind"]
+        # {"frames": "first" | "first-last", "image_dim": int | None}, or None: no image-to-video
+        # conditioning (a text-to-video cache, or one written before version 3)
+        self.image_condition = self.index.get("image_condition")
         empty = os.path.join(root, EMPTY_TEXT)
         # (l, d) embedding of the empty caption; None for caches written before it was stored
         self.empty_text_emb = (
@@ -95,7 +106,17 @@ class LatentCacheDataset(Dataset):
             raise ValueError(
                 f"latent of sample {i} has shape {list(latent.shape)}, index says {s['latent_shape']}"
             )
-        return {"latent": latent, "text_emb": text_emb, "index": i}
+        out = {"latent": latent, "text_emb": text_emb, "index": i}
+        if self.image_condition is not None:  # the mask is not stored: dit/clips.py builds it
+            out["image_latent"] = shard.get_tensor(f"{s['key']}.image_latent").float()  # (c', f', h', w')
+            if out["image_latent"].shape != latent.shape:
+                raise ValueError(
+                    f"image latent of sample {i} has shape {list(out['image_latent'].shape)}, its latent "
+                    f"{list(latent.shape)}"
+                )
+            if self.image_condition["image_dim"] is not None:
+                out["image_emb"] = shard.get_tensor(f"{s['key']}.image_emb").float()  # (m, image_dim)
+        return out
 
     def __getitem__(self, i: int) -> dict:
         try:

@@ -19,7 +19,7 @@ import torch
 from dit.attention import AttentionFn
 from dit.config import FlowConfig
 from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
-from dit.image_cond import ImageConditioning, image_condition, join_condition
+from dit.image_cond import ImageConditioning, condition_mask, image_condition, join_condition
 from dit.packing import grid_positions, local_seq_lens, patchify
 
 
@@ -85,16 +85,21 @@ class ClipEncoder:
         """-> condition (t + c, f, h, w) and CLIP tokens (m, image_dim) or None, from the clip itself: its
         first frame (FLF2V: and last), through the VAE and the image encoder, or from the cache."""
         cond = self.conditioning
-        if "latent" in sample:
-            if "condition" not in sample or (cond.clip_tokens and "image_emb" not in sample):
+        if "latent" in sample:  # a latent cache made with --image-condition (data/cache.py)
+            if "image_latent" not in sample or (cond.clip_tokens and "image_emb" not in sample):
                 raise ValueError(
-                    "this latent cache has no image conditioning (condition latents / CLIP image embeddings), "
-                    "which an image-to-video model needs and data/cache.py does not store yet; train from the "
-                    "videos instead (data.source = a folder or manifest)"
+                    "this latent cache has no image conditioning (image latents / CLIP image embeddings), which "
+                    "an image-to-video model needs: re-run python -m data.cache with --image-condition "
+                    f"{'first-last' if cond.last_frame else 'first'}"
+                    + (" --image-encoder CLIP_FOLDER" if cond.clip_tokens else "")
+                    + ", or train from the videos"
                 )
-            condition = sample["condition"].to(self.device, torch.float32)
+            latent = sample["image_latent"].to(self.device, torch.float32)  # (c, f, h, w)
+            f, h, w = latent.shape[1:]
+            # the pixel frames the latent stands for (the policy gives F = 1 + k t): the mask's input
+            mask = condition_mask(1 + (f - 1) * cond.temporal, h, w, cond.last_frame, cond.temporal)
             image = sample["image_emb"].to(self.device, torch.float32) if cond.clip_tokens else None
-            return condition, image
+            return torch.cat([mask.to(latent), latent]), image
         video = sample["video"].to(self.device, torch.float32)  # (3, F, H, W) in [-1, 1]
         first, last = video[:, 0], (video[:, -1] if cond.last_frame else None)
         vae = self.vae

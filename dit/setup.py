@@ -142,3 +142,45 @@ def clip_tokens(meta: ClipMeta, patch: tuple[int, int, int], stride: tuple[int, 
     from data.tokens import num_tokens
 
     return num_tokens(meta.num_frames, meta.height, meta.width, stride, patch)
+
+
+def _cached_for(record: dict | None) -> str:
+    """A latent cache's ``image_condition`` (or a model's wish for one) in words."""
+    if record is None:
+        return "a text-to-video model (no image conditioning)"
+    frames = "first and last frames (FLF2V)" if record["frames"] == "first-last" else "first frame (I2V)"
+    clip = f"{record['image_dim']}-wide CLIP tokens" if record["image_dim"] else "no CLIP tokens"
+    return f"an image-to-video model: {frames}, {clip}"
+
+
+def check_cache_fits(cfg: DataConfig, cache, conditioning, image_dim: int | None) -> None:
+    """Refuse a latent cache made for another model, before any step: another VAE kind, or image-to-video
+    conditioning (data/cache.py --image-condition, --image-encoder) that is not what the model trains
+    on. ``conditioning`` is the model's (dit.image_cond.conditioning_of), ``image_dim`` its CLIP width."""
+    if cache.vae_kind != cfg.vae:
+        raise ValueError(
+            f"data.source {cfg.source} was encoded with the {cache.vae_kind} VAE but data.vae={cfg.vae}: set "
+            f"data.vae={cache.vae_kind}, or re-run python -m data.cache with --vae {cfg.vae}"
+        )
+    want = None
+    if conditioning is not None:
+        frames = "first-last" if conditioning.last_frame else "first"
+        want = {"frames": frames, "image_dim": image_dim if conditioning.clip_tokens else None}
+    have = cache.image_condition
+    if have is not None:
+        have = {k: have.get(k) for k in ("frames", "image_dim")}
+    if have == want:
+        return
+    if want is None:
+        fix = "without --image-condition and --image-encoder"
+    else:
+        fix = f"with --image-condition {want['frames']}"
+        fix += (
+            f" --image-encoder {cfg.image_encoder_path or 'CLIP_FOLDER'} (data.image_encoder_path)"
+            if want["image_dim"]
+            else " and no --image-encoder"
+        )
+    raise ValueError(
+        f"data.source {cfg.source} was cached for {_cached_for(have)}, but this model is {_cached_for(want)}: "
+        f"re-run python -m data.cache {fix} into a new --out (or train from the videos)"
+    )

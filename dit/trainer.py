@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data.cache_dataset import LatentCacheDataset
 from data.cli import RunStopped
 from data.failures import absorb_worker_failures
 from data.image_encoders import load_image_encoder
@@ -37,7 +38,14 @@ from dit.flops import train_step_flops
 from dit.image_cond import conditioning_of
 from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
-from dit.setup import build_datasets, build_model, build_text_encoder, build_vae, vae_stride
+from dit.setup import (
+    build_datasets,
+    build_model,
+    build_text_encoder,
+    build_vae,
+    check_cache_fits,
+    vae_stride,
+)
 from dit.tracking import Tracker, check_trackers_installed
 
 
@@ -104,6 +112,8 @@ class Trainer:
                 "not supported yet; set train.sample_every=0 and sample with sample.py --image PATH"
             )
         cached = getattr(self.train_set, "latent_channels", None) is not None
+        if isinstance(self.train_set, LatentCacheDataset):  # one made for another model is refused here
+            check_cache_fits(cfg.data, self.train_set, self.encoder.conditioning, self.model.config.image_dim)
         if self.encoder.conditioning and self.encoder.conditioning.clip_tokens and not cached:
             _ = (
                 self.encoder.image_encoder

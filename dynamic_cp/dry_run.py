@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
+from data.cache_dataset import LatentCacheDataset
 from dit.config import Config
+from dit.image_cond import conditioning_of
 from dit.model import VideoDiT
-from dit.setup import build_datasets, clip_tokens, model_config_of, vae_stride
+from dit.setup import build_datasets, check_cache_fits, clip_tokens, model_config_of, vae_stride
 from dit.sizes import model_kwargs
 from dynamic_cp.planning.cost_model import CostModel, Hardware
 from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
@@ -157,10 +159,15 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
             channels = getattr(train_set, "latent_channels", None) or (
                 3 if cfg.data.vae == "identity" else None
             )
-            if channels is not None and channels != model.config.in_channels:
-                problems.append(
-                    f"the model takes {model.config.in_channels} channels but the data gives {channels}"
-                )
+            if (
+                channels is not None
+            ):  # what Trainer checks at start-up: text- or image-to-video, and the cache
+                try:
+                    conditioning = conditioning_of(model.config, channels, stride[0])
+                    if isinstance(train_set, LatentCacheDataset):
+                        check_cache_fits(cfg.data, train_set, conditioning, model.config.image_dim)
+                except ValueError as err:
+                    problems.append(str(err))
             from dit.batching import GlobalBatchSampler
 
             first = GlobalBatchSampler(train_idx, cfg.train.global_batch_size, cfg.data.seed).batch(0)
