@@ -142,7 +142,11 @@ def test_the_planners_plan_gives_the_one_process_clips(references):
 # Image-to-video, pixel space: 3 noisy + 1 mask + 3 image channels in, 3 out; CLIP tokens (image_dim)
 # through the small random CLIP of tests/conftest.py. (frames, height, width, guidance, FLF2V)
 I2V_SHAPES = [(3, 6, 10, 4.0), (2, 4, 6, 1.0), (5, 2, 14, 3.0)]
-I2V_PLAN = [P(0, (0, 1, 2), (1, 3)), P(1, (0, 1), (2, 1)), P(2, (2,), cfg=(0,))]  # ring, Ulysses, CFG-parallel
+I2V_PLAN = [
+    P(0, (0, 1, 2), (1, 3)),
+    P(1, (0, 1), (2, 1)),
+    P(2, (2,), cfg=(0,)),
+]  # ring, Ulysses, CFG-parallel
 
 
 def make_i2v_model() -> VideoDiT:
