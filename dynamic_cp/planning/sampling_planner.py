@@ -106,11 +106,12 @@ class SamplingPlan:
 
 def weight_bytes(dims: ModelDims, shards: int = 1) -> float:
     """bf16 DiT weights one rank holds while sampling: all of them replicated (``shards`` 1), else its
-    1/``shards`` of them plus two gathered blocks (the one running and the one FSDP prefetches)."""
+    1/``shards`` of them plus two gathered blocks (the one running and the one FSDP prefetches), never
+    more than all of them (a model of one or two blocks)."""
     total = BYTES_BF16 * dims.num_params
     if shards <= 1:
         return total
-    return total / shards + 2 * total / dims.layers
+    return min(total, total / shards + 2 * total / dims.layers)
 
 
 def sampling_token_cap(
@@ -263,7 +264,7 @@ def plan_sampling(
             need = sum(_branch_lengths(job, False)) / max(sizes)
             raise ValueError(
                 f"{job.name or f'request {i}'}: {job.tokens:,} tokens a branch need {need:,.0f} tokens per rank "
-                f"even on all {max(sizes)} ranks, over the {token_cap:,} a rank holds; lower its frames, "
+                f"even on {f'all {max(sizes)} ranks' if max(sizes) > 1 else 'one rank'}, over the {token_cap:,} a rank holds; lower its frames, "
                 "height or width, or sample on more ranks"
             )
         options.append(opts)
