@@ -106,5 +106,10 @@ def test_auto_shards_only_when_replicated_weights_leave_no_room():
     assert mode == "per_layer" and plan.rounds is not None
     with pytest.raises(ValueError, match="shard them with --fsdp per_layer"):
         plan_with_weights("none", model, None, FSDP_REQUESTS, 8, wan14, 30e9, True)
+    # a request too long for replicated weights on 32 GB (0.8 GB free: 3,600 tokens) fits sharded ones
+    long = [dataclasses.replace(FSDP_REQUESTS[0], frames=61, height=60, width=60, where="--prompt 1")]
+    with pytest.raises(ValueError, match=r"--prompt 1: .* or shard the weights with --fsdp per_layer"):
+        plan_with_weights("none", model, None, long, 8, wan14, 32e9, True)
+    assert plan_with_weights("auto", model, None, long, 8, wan14, 32e9, True)[0] == "per_layer"
     with pytest.raises(ValueError, match="--fsdp per_step: use one of auto, none, per_layer"):
         plan_with_weights("per_step", model, None, FSDP_REQUESTS, 8, wan14, None, True)

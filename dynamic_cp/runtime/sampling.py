@@ -241,7 +241,9 @@ def plan_with_weights(
         return "per_layer", plan(True)
     try:
         return "none", plan(False)
-    except ValueError:
+    except ValueError as e:
+        if fsdp == "none" and world_size > 1 and "--fsdp" not in str(e):
+            raise ValueError(f"{e}; or shard the weights with --fsdp per_layer (or auto)") from None
         if fsdp != "auto" or memory_bytes is None or world_size == 1:
             raise
     return "per_layer", plan(True)  # its own error names what to lower when even sharding does not fit
