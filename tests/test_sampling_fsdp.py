@@ -8,7 +8,7 @@ Ulysses over 2 beside CP 1, and CFG-parallel, turned into rounds by the planner'
 
 Tolerance: test_sampling_parallel's TOL (1e-5), derived there. FSDP adds no arithmetic: it all-gathers
 the exact fp32 parameters (the policy keeps the dtype the model was loaded in), so the sharded
-forward is the replicated CP forward bit for bit and the same bound holds.
+forward computes with the same numbers as the replicated CP forward and the same bound holds.
 
 Planted bugs, each seen to fail and then restored:
 - ``shard_for_sampling`` returning without sharding: the check that each rank holds about 1/W of
