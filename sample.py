@@ -9,7 +9,8 @@ a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width,
 and negative_prompt, and image / last_image for image-to-video models (the flags give the rest;
 ``--image`` and ``--last-image`` give a first and last frame to every request). Request i uses its line's seed, else --seed + i: the
 same request gives the same clip in any queue, on one process or many. Under torchrun a planner
-gives each request its context-parallel group and CFG split (docs/sampling.md). Clips already in
+gives each request its context-parallel group and CFG split (docs/sampling.md); ``--fsdp`` shards the
+DiT over all ranks with training's FSDP2 (per_layer; auto: when replicated weights do not fit). Clips already in
 --out are skipped, so a killed job reruns with the same command. ``--lora FILE_OR_DIR`` adds a
 diffusers-format Wan LoRA (ours, diffusers', finetrainers', DiffSynth-Studio's), scaled by
 ``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself.
@@ -87,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         help="memory per rank requests must fit (default: the GPU's; no check on CPU)",
     )
     parser.add_argument(
+        "--fsdp",
+        choices=("auto", "none", "per_layer"),
+        default="auto",
+        help="under torchrun: shard the DiT over all ranks with FSDP2 (per_layer), keep it replicated "
+        "(none), or shard only when replicated weights leave a request no room in --memory-gb (auto)",
+    )
+    parser.add_argument(
         "--hardware",
         default=None,
         help="cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
@@ -122,11 +130,15 @@ def run(args) -> int:
     else:
         world = contextlib.nullcontext(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     with world as device:
+        # under torchrun the DiT waits on the CPU until the plan says replicated or sharded
+        model_device = torch.device("cpu") if distributed else device
         if args.pretrained:
-            sampler = load_pretrained_sampler(args.pretrained, args.lora, args.lora_scale, device)
+            sampler = load_pretrained_sampler(
+                args.pretrained, args.lora, args.lora_scale, device, model_device=model_device
+            )
         else:
             sampler = load_checkpoint_sampler(
-                args.checkpoint, args.weights, args.lora, args.lora_scale, device
+                args.checkpoint, args.weights, args.lora, args.lora_scale, device, model_device
             )
         shift = args.shift if args.shift is not None else sampler.shift
         check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
@@ -148,6 +160,8 @@ def run(args) -> int:
                 args.cfg_parallel != "off",
                 args.hardware,
                 args.memory_gb,
+                args.fsdp,
+                device,
             )
         else:
             from dynamic_cp.runtime.sampling import check_memory, device_memory

@@ -12,7 +12,8 @@ measured  CPU, 2 gloo ranks, one thread each; a small random VideoDiT in pixel s
           the one-process clips (max abs difference printed).
 simulated the cost model forward-only, H100 profile: Wan-14B on 8 and 64 GPUs with a mixed queue of
           480p and 720p requests of 33-81 frames, a Wan-1.3B queue, and one long request. Makespan
-          and p50/p99 latency of the planner's plan against the best fixed (CP size, CFG-parallel).
+          and p50/p99 latency of the planner's plan against the best fixed (CP size, CFG-parallel),
+          and the makespan with the weights FSDP-sharded (--fsdp per_layer: lockstep rounds).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def simulated() -> None:
         job_options,
         plan_sampling,
         sampling_token_cap,
+        weight_bytes,
     )
 
     def tokens(frames, h, w):
@@ -196,6 +198,14 @@ def simulated() -> None:
                 f"    vs {name} (CP {k[0]}{' + CFG-parallel' if k[1] else ''}): makespan {b[0]:.0f} s ({b[0] / d[0]:.2f}x), "
                 f"p50 {d[1]:.0f} vs {b[1]:.0f} s ({b[1] / d[1]:.2f}x), p99 {d[2]:.0f} vs {b[2]:.0f} s ({b[2] / d[2]:.2f}x)"
             )
+        # --fsdp per_layer: weights sharded over the world, the plan in lockstep rounds
+        shard_cap = sampling_token_cap(cost.dims, cost.hw.memory_bytes, shards=world)
+        sharded = plan_sampling(jobs, world, cost, shard_cap, sharded=True)
+        print(
+            f"    FSDP-sharded weights ({weight_bytes(cost.dims, world) / 1e9:.1f} of "
+            f"{weight_bytes(cost.dims) / 1e9:.1f} GB a GPU): makespan {sharded.makespan:.0f} s "
+            f"({sharded.makespan / d[0]:.2f}x the replicated plan's) [{sharded.info['policy']}]"
+        )
 
 
 def main(argv=None) -> int:

@@ -77,11 +77,15 @@ def _convert(name: str, value, where: str):
             raise ValueError(f"{where}: {name} must be text, got {value!r}")
         return value
     if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"{where}: {name} must be a {kind.__name__}, got {value!r}")
+        raise ValueError(f"{where}: {name} must be {_a(kind)}, got {value!r}")
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: {name} must be a {kind.__name__}, got {value!r}") from None
+        raise ValueError(f"{where}: {name} must be {_a(kind)}, got {value!r}") from None
+
+
+def _a(kind: type) -> str:
+    return {int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
 
 
 def _fields(raw: dict, where: str) -> dict:

@@ -25,8 +25,9 @@ class Sampler:
 
 
 def load_checkpoint_sampler(
-    checkpoint: str, weights_kind: str, lora: str | None, lora_scale: float, device
+    checkpoint: str, weights_kind: str, lora: str | None, lora_scale: float, device, model_device=None
 ) -> Sampler:
+    """``model_device``: where the DiT goes (default ``device``; the CPU when it is sharded next)."""
     import yaml
 
     from dit.checkpoint import resolve_checkpoint
@@ -40,7 +41,7 @@ def load_checkpoint_sampler(
             f"{weights} does not exist; this checkpoint has no {weights_kind} weights, try --weights model"
         )
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
-    model = load_sampling_model(cfg, weights, lora, lora_scale).to(device).eval()
+    model = load_sampling_model(cfg, weights, lora, lora_scale).to(model_device or device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
     vae = build_vae(cfg.data, device)
     image_encoder = None
@@ -95,12 +96,13 @@ def pretrained_shift(folder: Path) -> float | None:
 
 
 def load_pretrained_sampler(
-    folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512
+    folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512, model_device=None
 ) -> Sampler:
     """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
     (``dit/wan_import.py``), its UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan
     VAE (``data/vaes.py``) and, when the transformer has ``image_dim``, its CLIP ``image_encoder/``
-    and ``image_processor/`` (``data/image_encoders.py``)."""
+    and ``image_processor/`` (``data/image_encoders.py``). ``model_device``: where the DiT goes
+    (default ``device``; the CPU when it is sharded next)."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae
     from dit.sampling import data_channels
@@ -117,7 +119,7 @@ def load_pretrained_sampler(
             f"--pretrained {folder} lacks {', '.join(p + '/' for p in missing)}; pass a whole diffusers Wan "
             "pipeline folder (transformer/, vae/, text_encoder/, tokenizer/), or a training run with --checkpoint"
         )
-    model = load_pretrained(path).to(device).eval()
+    model = load_pretrained(path).to(model_device or device).eval()
     add_lora(model, lora, lora_scale)
     text_encoder = load_text_encoder("umt5", path, max_length=text_max_length, device=str(device))
     if text_encoder.dim != model.config.text_dim:

@@ -47,7 +47,8 @@ def request_grid(
     if stride[0] > 1 and (frames - 1) % stride[0]:
         raise ValueError(
             f"{where}: frames={frames}: a causal video VAE with temporal stride {stride[0]} needs 1 + "
-            f"{stride[0]}k frames, e.g. {1 + (frames - 1) // stride[0] * stride[0]}"
+            f"{stride[0]}k frames, e.g. {1 + (frames - 1) // stride[0] * stride[0]} or "
+            f"{1 + ((frames - 1) // stride[0] + 1) * stride[0]}"
         )
     f, h, w = latent_shape(frames, height, width, stride)
     if (h * stride[1], w * stride[2]) != (height, width) or min(h, w) < 1:

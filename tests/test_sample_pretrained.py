@@ -86,7 +86,9 @@ def test_pretrained_folder_missing_parts_is_one_line(tmp_path, capsys):
 
 
 def test_torchrun_two_ranks_writes_the_one_process_clips(wan_folder, tmp_path):
-    """The user path: `torchrun --nproc_per_node 2 sample.py ...` on a queue of mixed shapes."""
+    """The user path: `torchrun --nproc_per_node 2 sample.py ... --fsdp per_layer` on a queue of mixed
+    shapes: the DiT sharded over both ranks (replicated weights under torchrun are
+    test_sampling_parallel's; sharded ones at the runtime level test_sampling_fsdp's)."""
     import os
     import subprocess
     import sys
@@ -103,10 +105,11 @@ def test_torchrun_two_ranks_writes_the_one_process_clips(wan_folder, tmp_path):
     assert sample.main([*argv, "--out", str(tmp_path / "one")]) == 0
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(root / "sample.py"), *argv, "--out", str(tmp_path / "two")]  # fmt: skip
+           str(root / "sample.py"), *argv, "--out", str(tmp_path / "two"), "--fsdp", "per_layer"]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "plan: 3 requests on 2 ranks" in result.stdout
+    assert "weights FSDP-sharded over 2 ranks" in result.stdout
     one, two = sorted((tmp_path / "one").glob("*.mp4")), sorted((tmp_path / "two").glob("*.mp4"))
     assert [p.name for p in one] == [p.name for p in two] and len(one) == 3
     for a, b in zip(one, two):

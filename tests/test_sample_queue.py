@@ -50,7 +50,7 @@ def test_jsonl_csv_and_text_lines_take_the_flags_for_missing_fields(tmp_path):
         (
             "q.jsonl",
             '{"prompt": "a"}\n{"prompt": "b", "frames": "many"}\n',
-            "q.jsonl line 2: frames must be a int",
+            "q.jsonl line 2: frames must be a whole number",
         ),
         ("q.jsonl", '{"frames": 5}\n', "q.jsonl line 1: no prompt"),
         ("q.csv", "prompt,steps\na,2\nb,2,7\n", "q.csv line 3: 2 columns expected"),

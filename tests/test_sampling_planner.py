@@ -113,3 +113,76 @@ def test_cfg_parallel_requests_wait_for_both_groups():
     _check_plan(type("Plan", (), {"placements": placements})(), jobs)
     (cfg,) = [p for p in placements if p.cfg_ranks]
     assert (cfg.ranks, cfg.cfg_ranks, cfg.start) == ((0,), (1,), 34.0)
+
+
+def test_sharded_weights_are_priced_per_rank():
+    # Wan-14B on 32 GB GPUs: replicated bf16 weights (28 GB) leave 0.8 GB of 90% of 32 GB, sharded over
+    # 8 they cost 28/8 + two gathered blocks of 28/40 = 4.9 GB. Planted: pricing sharded weights as
+    # replicated (shards ignored) fails the first assertion.
+    from dynamic_cp.planning.sampling_planner import weight_bytes
+
+    p = 2 * WAN14.dims.num_params
+    assert weight_bytes(WAN14.dims, 8) == pytest.approx(p / 8 + 2 * p / WAN14.dims.layers)
+    replicated, sharded = (sampling_token_cap(WAN14.dims, 32e9, shards=w) for w in (1, 8))
+    assert sharded > 5 * replicated
+    jobs = [SamplingJob(T720, 50, True, "--prompt 1")]
+    with pytest.raises(ValueError, match="--prompt 1: 75,600 tokens"):
+        plan_sampling(jobs, 8, WAN14, replicated)
+    assert plan_sampling(jobs, 8, WAN14, sharded, sharded=True).placements
+    with pytest.raises(ValueError, match=r"do not fit in 20 GB per rank; shard them with --fsdp per_layer"):
+        sampling_token_cap(WAN14.dims, 20e9)
+
+
+def test_sharded_plans_run_in_lockstep_rounds():
+    """Every placement in one round, a round's ranks disjoint, each rank's order kept, a round's forwards
+    those of its longest request, and rounds that wait for their slowest member and the weights'
+    gathers."""
+    from dynamic_cp.planning.fsdp_cost import WeightTraffic
+
+    rng = random.Random(3)
+    jobs = [
+        SamplingJob(rng.choice([T480, 3120, 1560]), rng.choice([10, 20, 30, 50]), rng.random() < 0.8)
+        for _ in range(12)
+    ]
+    free = plan_sampling(jobs, 8, WAN14, CAP)
+    plan = plan_sampling(jobs, 8, WAN14, CAP, sharded=True)
+    assert plan.rounds is not None and len(plan.round_forwards) == len(plan.rounds)
+    assert sorted(i for r in plan.rounds for i in r) == list(range(len(jobs)))
+    assert sorted(p.job for p in plan.placements) == list(range(len(jobs)))
+    gather = WeightTraffic.of(WAN14, 8).gather_s
+    clock = 0.0
+    for members, forwards in zip(plan.rounds, plan.round_forwards):
+        ranks = [r for i in members for r in plan.placements[i].all_ranks]
+        assert len(ranks) == len(set(ranks))
+        assert forwards == max(jobs[plan.placements[i].job].steps for i in members)
+        assert all(plan.placements[i].start == pytest.approx(clock) for i in members)
+        clock = max(plan.placements[i].end for i in members)
+        assert clock - plan.placements[members[0]].start >= forwards * gather
+    for rank in range(8):  # each rank's requests in round order, never two at once
+        spans = sorted((p.start, p.end) for p in plan.placements if rank in p.all_ranks)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+    assert plan.makespan >= free.makespan  # lockstep and weight traffic never make it faster
+
+
+def test_lockstep_pads_short_requests_and_waits_for_the_slowest():
+    """By hand, 2 ranks, the weights' gather g per forward (+ g / layers unhidden): request 0 (2 steps
+    of 1 s, rank 0) beside request 1 (3 steps of 2 s, rank 1), then request 2 (1 step of 0.5 s on both).
+    Round 0 runs 3 forwards of 2 s each, request 0 ends after its 2nd; round 1 one forward. Planted:
+    round_forwards as the shortest request's steps, and a forward priced by the first member only:
+    both fail."""
+    from dynamic_cp.planning.fsdp_cost import WeightTraffic
+    from dynamic_cp.planning.sampling_planner import Placement, lockstep
+
+    jobs = [SamplingJob(10, 2, False), SamplingJob(10, 3, False), SamplingJob(10, 1, False)]
+    placements = [Placement(0, (0,), None, (1, 1), 0.0, 2.0), Placement(1, (1,), None, (1, 1), 0.0, 6.0),
+                  Placement(2, (0, 1), None, (2, 1), 6.0, 6.5)]  # fmt: skip
+    out, rounds, forwards = lockstep(WAN14, jobs, placements, 2)
+    traffic = WeightTraffic.of(WAN14, 2)
+    g = traffic.gather_s
+    assert g < 0.5  # the gathers hide behind compute here
+    per = g / traffic.layers  # the one block's gather that cannot hide
+    assert rounds == [[0, 1], [2]] and forwards == [3, 1]
+    assert [p.job for p in out] == [0, 1, 2]
+    assert out[0].end == pytest.approx(2 * (2 + per))
+    assert out[1].end == pytest.approx(3 * (2 + per))
+    assert (out[2].start, out[2].end) == pytest.approx((3 * (2 + per), 3 * (2 + per) + 0.5 + per))

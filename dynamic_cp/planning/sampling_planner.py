@@ -16,8 +16,19 @@ Choosing sizes is moldable-job scheduling. The planner tries every fixed option 
 (what a launch-time degree does, list scheduled longest first on the blocks that free up first) and
 a moldable list schedule: longest first, each request takes the option and blocks that end it
 soonest, plus a charge for the rank-seconds it uses (several weights, from earliest finish to least
-rank-seconds). The shortest predicted makespan wins. So one long request gets all ranks, many short ones get one rank each, and the plan is never
-predicted slower than the best fixed degree. Every rank computes the same plan from the same input.
+rank-seconds). The shortest predicted makespan wins. So one long request gets all ranks, many short
+ones get one rank each, and the plan is never predicted slower than the best fixed degree. Every rank
+computes the same plan from the same input.
+
+FSDP-sharded weights (``weights=Sharded(...)``): every DiT forward all-gathers each block over the
+whole world, so every rank must run the same number of forwards in the same order. The plan then runs
+in lockstep rounds (training's ``rounds.lockstep_rounds``): a round is a set of placements on disjoint
+ranks; its forwards are those of its longest request, a rank whose request has fewer steps (or that
+has none in the round) joins the others with empty forwards. Forward j of a round costs
+max(its slowest request's step, the weights' all-gather) + one block's gather that prefetching
+cannot hide (``fsdp_cost.WeightTraffic``). Every candidate above is re-timed as rounds and the
+shortest wins, so a plan whose short requests would wait on a long one in every round loses to one
+that runs like requests side by side.
 """
 
 from __future__ import annotations
@@ -25,7 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dynamic_cp.planning.cost_model import BYTES_BF16, CostModel, ModelDims
+from dynamic_cp.planning.fsdp_cost import WeightTraffic
 from dynamic_cp.planning.groups_layout import blocks_of_size, normalize_cp_sizes
+from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.rounds import lockstep_rounds
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,10 @@ class SamplingPlan:
     world_size: int
     placements: list[Placement]  # in execution order (by predicted start)
     info: dict = field(default_factory=dict)
+    # FSDP-sharded weights only: lockstep rounds, each a list of indices into ``placements`` on
+    # pairwise disjoint ranks; every rank runs ``round_forwards[k]`` forwards in round k
+    rounds: list[list[int]] | None = None
+    round_forwards: list[int] | None = None
 
     @property
     def makespan(self) -> float:
@@ -86,15 +104,31 @@ class SamplingPlan:
         return [p.end for p in sorted(self.placements, key=lambda p: p.job)]
 
 
-def sampling_token_cap(dims: ModelDims, memory_bytes: float, memory_fraction: float = 0.9) -> int:
-    """Tokens one rank can hold in a sampling forward: bf16 weights replicated, and the working set
-    of one block per token (nothing is kept for a backward)."""
-    free = memory_bytes * memory_fraction - BYTES_BF16 * dims.num_params
+def weight_bytes(dims: ModelDims, shards: int = 1) -> float:
+    """bf16 DiT weights one rank holds while sampling: all of them replicated (``shards`` 1), else its
+    1/``shards`` of them plus two gathered blocks (the one running and the one FSDP prefetches), never
+    more than all of them (a model of one or two blocks)."""
+    total = BYTES_BF16 * dims.num_params
+    if shards <= 1:
+        return total
+    return min(total, total / shards + 2 * total / dims.layers)
+
+
+def sampling_token_cap(
+    dims: ModelDims, memory_bytes: float, memory_fraction: float = 0.9, shards: int = 1
+) -> int:
+    """Tokens one rank can hold in a sampling forward: the bf16 weights (``weight_bytes``: replicated,
+    or FSDP-sharded over ``shards`` ranks), and the working set of one block per token (nothing is
+    kept for a backward)."""
+    weights = weight_bytes(dims, shards)
+    free = memory_bytes * memory_fraction - weights
     per_token = (16 * dims.d + 2 * dims.ffn) * BYTES_BF16
     if free < per_token:
+        how = "shard them with --fsdp per_layer, or use" if shards <= 1 else "sample on more ranks or"
         raise ValueError(
-            f"the model's bf16 weights ({BYTES_BF16 * dims.num_params / 1e9:.1f} GB) do not fit in "
-            f"{memory_bytes / 1e9:.0f} GB per rank; use larger GPUs"
+            f"the model's bf16 weights ({weights / 1e9:.1f} GB a rank"
+            f"{'' if shards <= 1 else f', sharded over {shards}'}) do not fit in "
+            f"{memory_bytes / 1e9:.0f} GB per rank; {how} larger GPUs"
         )
     return int(free // per_token)
 
@@ -172,6 +206,33 @@ def _makespan(placements: list[Placement]) -> float:
     return max((p.end for p in placements), default=0.0)
 
 
+def lockstep(
+    cost: CostModel, jobs: list[SamplingJob], placements: list[Placement], world_size: int
+) -> tuple[list[Placement], list[list[int]], list[int]]:
+    """``placements`` (in execution order) as FSDP's lockstep rounds -> (the placements re-timed, in
+    round order; the rounds as indices into them; each round's number of forwards). See the module
+    docstring for a round's price."""
+    as_plan = Plan([(p.all_ranks, [p.job]) for p in placements], world_size, float("inf"))
+    traffic = WeightTraffic.of(cost, world_size)
+    out, rounds, forwards = [], [], []
+    clock = 0.0
+    for members in lockstep_rounds(as_plan, world_size).rounds:
+        steps = [jobs[placements[i].job].steps for i in members]
+        step_s = [(placements[i].end - placements[i].start) / s for i, s in zip(members, steps)]
+        start, ends = clock, [0.0] * len(members)
+        for j in range(max(steps)):
+            slowest = max(t for t, s in zip(step_s, steps) if s > j)
+            clock += max(slowest, traffic.gather_s) + traffic.gather_s / traffic.layers
+            ends = [clock if s == j + 1 else e for e, s in zip(ends, steps)]
+        rounds.append(list(range(len(out), len(out) + len(members))))
+        out += [
+            Placement(p.job, p.ranks, p.cfg_ranks, p.layout, start, end)
+            for p, end in zip((placements[i] for i in members), ends)
+        ]
+        forwards.append(max(steps))
+    return out, rounds, forwards
+
+
 def plan_sampling(
     jobs: list[SamplingJob],
     world_size: int,
@@ -180,6 +241,7 @@ def plan_sampling(
     cp_sizes=None,
     cfg_parallel: bool = True,
     fixed: tuple[int, bool] | None = None,
+    sharded: bool = False,
 ) -> SamplingPlan:
     """The plan for ``jobs`` on ``world_size`` ranks (see the module docstring).
 
@@ -188,6 +250,7 @@ def plan_sampling(
     cp_sizes: allowed CP sizes (default: powers of two up to the world, and the world).
     cfg_parallel: whether a guided request may split its branches over two groups.
     fixed: (cp, cfg_parallel) for every request, as a launch-time degree does (a baseline).
+    sharded: the DiT is FSDP-sharded over all ranks: the plan runs in lockstep rounds (``rounds``).
     """
     if not cost.forward_only:
         raise ValueError(
@@ -201,7 +264,7 @@ def plan_sampling(
             need = sum(_branch_lengths(job, False)) / max(sizes)
             raise ValueError(
                 f"{job.name or f'request {i}'}: {job.tokens:,} tokens a branch need {need:,.0f} tokens per rank "
-                f"even on all {max(sizes)} ranks, over the {token_cap:,} a rank holds; lower its frames, "
+                f"even on {f'all {max(sizes)} ranks' if max(sizes) > 1 else 'one rank'}, over the {token_cap:,} a rank holds; lower its frames, "
                 "height or width, or sample on more ranks"
             )
         options.append(opts)
@@ -212,9 +275,8 @@ def plan_sampling(
             if not match:
                 raise ValueError(f"{jobs[i].name or f'request {i}'} cannot run on the fixed option {fixed}")
             choice.append(match[0])
-        return SamplingPlan(
-            world_size, list_schedule(cost, jobs, choice, world_size), {"policy": f"fixed {fixed}"}
-        )
+        candidates = [(f"fixed {fixed}", list_schedule(cost, jobs, choice, world_size))]
+        return _best(cost, jobs, candidates, world_size, sharded)
     candidates = []
     # every fixed option all requests can take: a dynamic plan is never predicted slower
     shared = (
@@ -228,5 +290,14 @@ def plan_sampling(
     # least rank-seconds, i.e. data parallel wherever it fits)
     for weight in MOLDABLE_WEIGHTS:
         candidates.append((f"moldable {weight}", moldable_schedule(cost, jobs, options, world_size, weight)))
-    policy, best = min(candidates, key=lambda c: _makespan(c[1]))  # first of equals: fixed, then greedy
-    return SamplingPlan(world_size, best, {"policy": policy})
+    return _best(cost, jobs, candidates, world_size, sharded)
+
+
+def _best(cost, jobs, candidates, world_size: int, sharded: bool) -> SamplingPlan:
+    """The candidate (policy, placements) of the shortest makespan, as rounds when ``sharded``."""
+    if not sharded:
+        policy, best = min(candidates, key=lambda c: _makespan(c[1]))  # first of equals: fixed, then greedy
+        return SamplingPlan(world_size, best, {"policy": policy})
+    timed = [(policy, lockstep(cost, jobs, placements, world_size)) for policy, placements in candidates]
+    policy, (best, rounds, forwards) = min(timed, key=lambda c: _makespan(c[1][0]))
+    return SamplingPlan(world_size, best, {"policy": policy + ", lockstep rounds"}, rounds, forwards)

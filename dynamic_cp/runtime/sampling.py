@@ -16,6 +16,21 @@ clip up to the float rounding of the sharded forward. Text is encoded on every r
 (one call for both captions, as in one process); the owner (the first rank of the conditional
 group) decodes with the VAE and writes the mp4.
 
+FSDP-sharded weights (``--fsdp per_layer``, or ``auto`` when replicated weights do not fit): the DiT
+is sharded over the whole world with training's FSDP2 code (``runtime/fsdp.py``: each block a unit,
+then the root), and every unit is freed again after its forward. Each forward then all-gathers every
+unit over the world, so every rank must run the same number of forwards: the plan comes in lockstep
+rounds (``SamplingPlan.rounds``), and in round k every rank runs ``round_forwards[k]`` forwards: its
+request's steps, then empty ones (zero tokens, ``fsdp.empty_micro_batch_loss``) up to the round's
+count, or only empty ones when it has no request in the round. Per rank, per forward:
+    AG root (world), AG block 0 (world), block 0 with its CP group's collectives, AG block 1, ...
+    after the forward: all_gather of the velocity in the CP group, the CFG-parallel swap
+The groups of a round are disjoint, and between two world all-gathers each rank issues only its own
+group's (or partner's) collectives, which its group's ranks issue at the same point: no collective
+can wait on a rank that waits on another collective. Why shard over the world rather than within
+each CP group: a rank belongs to a group of every size, and the plan moves it between sizes; one
+sharding over all ranks is one copy of the weights (1/W each), as training keeps it.
+
 Legend: n = tokens of one branch, p = patch values, k = branches in one forward, c = CP group size.
 """
 
@@ -47,8 +62,11 @@ from dynamic_cp.planning.sampling_planner import (
     plan_sampling,
     sampling_token_cap,
 )
+from dynamic_cp.runtime.fsdp import apply_fsdp, empty_micro_batch_loss
 from dynamic_cp.runtime.groups import CPGroups, build_cp_groups
 from dynamic_cp.runtime.torchrun import init_torchrun
+
+SAMPLING_FSDP = ("auto", "none", "per_layer")  # training's per_step would gather all weights: replicated
 
 
 @contextlib.contextmanager
@@ -144,6 +162,21 @@ def run_placement(
     return decode(x, prep.grid, tuple(model.config.patch_size), vae)
 
 
+def shard_for_sampling(model, world: dist.ProcessGroup, device: torch.device):
+    """Shard ``model`` over ``world`` with training's FSDP2 units (``apply_fsdp``), in the dtype it was
+    loaded in (as replicated sampling runs it), every unit freed after its forward (no backward
+    follows); the shards move to ``device``."""
+    apply_fsdp(model, world, device, "fp32")
+    model.set_reshard_after_forward(True, recurse=True)
+    return model
+
+
+@torch.no_grad()
+def empty_forward(model) -> None:
+    """A zero-token forward: this rank's part of every unit's all-gather, nothing else."""
+    empty_micro_batch_loss(model, next(model.parameters()).device)
+
+
 def run_plan(
     model,
     text_encoder,
@@ -156,13 +189,22 @@ def run_plan(
     image_encoder=None,
 ) -> None:
     """This rank's placements of ``plan`` (its jobs index ``requests``) in plan order; the owner of
-    each calls ``on_done(request, video, placement, seconds)``."""
-    for placement in plan.for_rank(groups.rank):
-        request = requests[placement.job]
-        t0 = time.perf_counter()
-        video = run_placement(model, text_encoder, vae, request, placement, groups, shift, image_encoder)
-        if video is not None:
-            on_done(request, video, placement, time.perf_counter() - t0)
+    each calls ``on_done(request, video, placement, seconds)``. A plan with rounds (FSDP-sharded
+    weights) runs them in lockstep, padded with empty forwards (module docstring)."""
+    rounds = plan.rounds if plan.rounds is not None else [[i] for i in range(len(plan.placements))]
+    for k, members in enumerate(rounds):
+        mine = [plan.placements[i] for i in members if groups.rank in plan.placements[i].all_ranks]
+        forwards = 0
+        for placement in mine:  # at most one under rounds
+            request = requests[placement.job]
+            t0 = time.perf_counter()
+            video = run_placement(model, text_encoder, vae, request, placement, groups, shift, image_encoder)
+            forwards += request.steps
+            if video is not None:
+                on_done(request, video, placement, time.perf_counter() - t0)
+        if plan.rounds is not None:
+            for _ in range(plan.round_forwards[k] - forwards):
+                empty_forward(model)
 
 
 def plan_queue(
@@ -173,10 +215,38 @@ def plan_queue(
     cost: CostModel,
     memory_bytes: float | None,
     cfg_parallel: bool,
+    sharded: bool = False,
 ) -> SamplingPlan:
+    """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
+    (memory priced with 1/W of the weights; lockstep rounds)."""
     jobs = [SamplingJob(request_tokens(model, vae, r), r.steps, r.guided, r.label()) for r in requests]
-    cap = None if memory_bytes is None else sampling_token_cap(cost.dims, memory_bytes)
-    return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel)
+    shards = world_size if sharded else 1
+    cap = None if memory_bytes is None else sampling_token_cap(cost.dims, memory_bytes, shards=shards)
+    return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel, sharded=sharded)
+
+
+def plan_with_weights(
+    fsdp: str, model, vae, requests, world_size: int, cost: CostModel, memory_bytes, cfg_parallel: bool
+) -> tuple[str, SamplingPlan]:
+    """``--fsdp`` -> (the weights mode used, 'none' or 'per_layer'; its plan). 'auto' keeps the
+    weights replicated when every request fits next to them (no weight traffic), else shards them;
+    without a memory limit (CPU) it is 'none'."""
+    if fsdp not in SAMPLING_FSDP:
+        raise ValueError(f"--fsdp {fsdp}: use one of {', '.join(SAMPLING_FSDP)}")
+
+    def plan(sharded: bool) -> SamplingPlan:
+        return plan_queue(model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded)
+
+    if fsdp == "per_layer" and world_size > 1:
+        return "per_layer", plan(True)
+    try:
+        return "none", plan(False)
+    except ValueError as e:
+        if fsdp == "none" and world_size > 1 and "--fsdp" not in str(e):
+            raise ValueError(f"{e}; or shard the weights with --fsdp per_layer (or auto)") from None
+        if fsdp != "auto" or memory_bytes is None or world_size == 1:
+            raise
+    return "per_layer", plan(True)  # its own error names what to lower when even sharding does not fit
 
 
 def check_memory(model, vae, requests: list[SampleRequest], memory_bytes: float) -> None:
@@ -203,9 +273,12 @@ def sample_queue_distributed(
     cfg_parallel: bool,
     hardware: str | None,
     memory_gb: float | None = None,
+    fsdp: str = "auto",
+    device: torch.device | None = None,
 ) -> list:
     """``sample.py`` under torchrun: plan the requests whose clips are not written yet, run them and
-    write each on its owner. Every rank returns the paths it wrote."""
+    write each on its owner. Every rank returns the paths it wrote. The DiT may come on the CPU: it
+    goes to ``device`` (default: where its parameters are), replicated or sharded by ``fsdp``."""
     world = dist.group.WORLD
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # rank 0 decides what is left (a rank that looked later could see a clip another rank has
@@ -218,16 +291,23 @@ def sample_queue_distributed(
             f"{len(requests) - len(todo_requests)} of {len(requests)} clips already in place; sampling {len(todo_requests)}"
         )
     model = sampler.model
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device if device is None else device
     cost = sampling_cost_model(model, device, world, hardware)
     memory = device_memory(device, memory_gb)
-    plan = plan_queue(model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel)
+    mode, plan = plan_with_weights(
+        fsdp, model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel
+    )
+    if mode == "per_layer":
+        shard_for_sampling(model, world, device)
+    else:
+        model.to(device)
     groups = build_cp_groups(world, None, splits=cost.cp_layout)
     if rank == 0:
         sizes = sorted({len(p.all_ranks) for p in plan.placements})
+        weights = "replicated" if mode == "none" else f"FSDP-sharded over {world_size} ranks"
         print(
             f"plan: {len(plan.placements)} requests on {world_size} ranks ({plan.info.get('policy')}; ranks a "
-            f"request: {sizes}), predicted {plan.makespan:.1f} s by the {cost.hw.name} profile",
+            f"request: {sizes}; weights {weights}), predicted {plan.makespan:.1f} s by the {cost.hw.name} profile",
             flush=True,
         )
     written = []
