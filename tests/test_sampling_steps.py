@@ -293,6 +293,24 @@ def test_generate_gives_prompt_i_seed_plus_i_and_checks_every_request_first():
     assert enc.asked[-1] == ["ab", ""]  # the default negative prompt
 
 
+def test_generate_defaults_are_30_steps_and_guidance_5():
+    moving = ConstantVelocity(scale=-0.5)  # moves with x: the number of steps shows
+
+    def run(**kw):
+        return sampling.generate(
+            moving, Encoder(), None, ["ab"], 1, 1, 2, shift=1.0, return_latents=True, **kw
+        )[0]
+
+    torch.testing.assert_close(run(), run(steps=30))
+    assert not torch.allclose(run(), run(steps=29))
+    fixed = ConstantVelocity()  # ends at noise - (u + g (c - u)): u = 0 (empty negative prompt), c = 1
+    latent = sampling.generate(
+        fixed, Encoder(), None, ["ab"], 1, 1, 2, steps=1, shift=1.0, return_latents=True
+    )[0]
+    noise = torch.randn(2, C, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(latent, unpatchify(noise - 5.0, (1, 1, 2), (1, 1, 1)), rtol=0, atol=1e-5)
+
+
 # --- image-to-video -------------------------------------------------------------------------------
 
 
