@@ -126,6 +126,20 @@ def test_diffsynth_names_become_original_wan_names():
     ]
 
 
+def test_a_file_without_config_takes_its_rank_from_lora_b_and_scale_1(tmp_path):
+    model = _adapted(rank=2, alpha=6.0, targets=("to_q",))  # trained at scale 3
+    bare = {k[len("transformer.") :]: v for k, v in lora.lora_state(model).items()}
+    save_file(bare, tmp_path / "bare.safetensors")  # no peft config saved with it
+    other = _base()
+    config = lora.load_lora(other, tmp_path / "bare.safetensors")
+    assert (config.r, config.lora_alpha) == (2, 2)  # alpha = rank: diffusers' convention without one
+    layer = model.get_submodule(LAYER)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(_update(other), x @ a.T @ b.T)
+
+
 def test_a_diffsynth_file_reads_as_diffusers_names(tmp_path):
     model = _adapted(targets=("to_q",))
     ours = lora.lora_state(model)
@@ -243,6 +257,7 @@ def test_merge_command_folds_base_and_lora_into_one_transformer(tmp_path, capsys
         lora.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "usage: python -m dit.lora" in text and "base + LoRA -> full diffusers transformer folder" in text
+    assert "merge --base BASE --lora FILE --out DIR``: base + LoRA folded into one full" in text
     with pytest.raises(SystemExit) as exit_:
         lora.main([])
     assert exit_.value.code == 2
