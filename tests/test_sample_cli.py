@@ -172,3 +172,131 @@ def test_defaults_are_the_documented_ones(run_dir, tmp_path):
         3,
     )
     assert _grid(run_dir, tmp_path, "--grid", "--frames", "1", "--steps", "1").shape == (16, 16, 3)
+
+
+def _clips(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.suffix == ".mp4")
+
+
+def test_repeated_prompts_and_a_rerun_that_skips_exactly_the_clips_it_would_write_again(
+    run_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun's one-process world is not distributed
+    no_grid = [a for a in SMALL if a != "--grid"]
+    out = tmp_path / "rerun"
+    argv = ["--checkpoint", str(run_dir), *no_grid, "--prompt", "one", "--prompt", "two", "--out", str(out)]
+    assert sample.main(argv) == 0
+    first = _clips(out)
+    assert [n[:6] for n in first] == ["00_one", "01_two"]
+    (out / ".partial-killed").mkdir()  # what a killed job was writing
+    capsys.readouterr()
+    assert sample.main(argv) == 0
+    assert "2 of 2 clips already in place; sampling 0" in capsys.readouterr().out
+    assert _clips(out) == first and not (out / ".partial-killed").exists()
+    # anything that changes the clip or its file changes its name: sampled again
+    one = ["--checkpoint", str(run_dir), *no_grid, "--prompt", "one", "--out", str(out)]
+    for flag, value in [("--shift", "2"), ("--fps", "4"), ("--upscale", "2")]:
+        assert sample.main([*one, flag, value]) == 0
+        assert "already in place" not in capsys.readouterr().out, flag
+    assert len(_clips(out)) == 2 + 3
+
+
+def test_only_rank_0_clears_partials_and_draws_the_grid(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "rank1"
+    (out / ".partial-other").mkdir(parents=True)
+    assert sample.main(["--checkpoint", str(run_dir), *SMALL, "--prompt", "x", "--out", str(out)]) == 0
+    assert (out / ".partial-other").is_dir() and not list(out.glob("*.png")) and len(_clips(out)) == 1
+
+
+def test_the_grid_is_the_written_clips_frames(run_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    flags = ["--frames", "3", "--height", "8", "--width", "8", "--steps", "2", "--grid", "--upscale", "2"]
+    assert sample.main(["--checkpoint", str(run_dir), *flags, "--prompt", "a", "--prompt", "b", "--out", str(out)]) == 0  # fmt: skip
+    grid = imageio.imread(out / "grid_seed0.png")
+    rows = [np.concatenate(list(imageio.mimread(out / name)), axis=1) for name in _clips(out)]
+    assert grid.shape == (2 * 16, 3 * 16, 3)
+    np.testing.assert_array_equal(grid, np.concatenate(rows, axis=0))
+    queue = tmp_path / "mixed.jsonl"
+    queue.write_text('{"prompt": "a"}\n{"prompt": "b", "width": 16}\n')
+    argv = ["--checkpoint", str(run_dir), *SMALL, "--prompts-file", str(queue), "--out", str(tmp_path / "m")]
+    capsys.readouterr()
+    assert sample.main(argv) == 0
+    assert "--grid skipped: the queue mixes 2 clip shapes" in capsys.readouterr().out
+    assert not list((tmp_path / "m").glob("*.png")) and len(_clips(tmp_path / "m")) == 2
+
+
+def test_memory_gb_refuses_a_request_that_cannot_fit_before_sampling(run_dir, tmp_path, capsys):
+    argv = ["--checkpoint", str(run_dir), *SMALL, "--prompt", "p", "--out", str(tmp_path / "mem")]
+    assert sample.main([*argv, "--memory-gb", "1e-6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "do not fit in 0 GB per rank" in err, err
+    assert not (tmp_path / "mem").exists() or not _clips(tmp_path / "mem")
+    assert sample.main([*argv, "--memory-gb", "100"]) == 0
+
+
+def test_bad_choices_exit_2(run_dir, capsys):
+    for flag, value in [("--weights", "best"), ("--cfg-parallel", "on")]:
+        with pytest.raises(SystemExit) as exit_:
+            sample.main(["--checkpoint", str(run_dir), "--prompt", "p", flag, value])
+        assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sample.main(["--checkpoint", str(run_dir), "--pretrained", "x", "--prompt", "p"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_help_of_the_remaining_flags(capsys):
+    with pytest.raises(SystemExit):
+        sample.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in [
+        "a diffusers Wan folder: transformer/, vae/, text_encoder/, tokenizer/",
+        "--negative-prompt NEGATIVE_PROMPT",
+        "--frames FRAMES",
+        "under torchrun: let the planner run a request's two CFG branches on two groups (auto)",
+        "memory per rank requests must fit (default: the GPU's; no check on CPU)",
+        "cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
+        "show the full traceback of user errors too",
+        "Under torchrun a planner gives each request its context-parallel group",
+    ]:
+        assert words in text, words
+
+
+def test_the_script_runs_as_a_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--checkpoint CHECKPOINT" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def i2v_run(tmp_path_factory):
+    """A tiny pixel-space image-to-video run: 3 noisy + 1 mask + 3 image channels in, 3 out."""
+    tmp = tmp_path_factory.mktemp("i2v")
+    overrides = tiny_overrides(tmp, **{"model.overrides": "{num_layers: 2, ffn_dim: 128, in_channels: 7, out_channels: 3}"})  # fmt: skip
+    cfg = load_config(TINY, overrides)
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    with torch.no_grad():
+        for p in trainer.ema.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.save()
+    rng = np.random.default_rng(0)
+    images = []
+    for name in ("a.png", "b.png"):
+        imageio.imwrite(tmp / name, rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+        images.append(str(tmp / name))
+    return Path(cfg.output_dir), images
+
+
+def test_image_and_last_image_reach_every_request(i2v_run, tmp_path, capsys):
+    run, (a, b) = i2v_run
+    flags = ["--frames", "3", "--height", "8", "--width", "8", "--steps", "2", "--grid", "--guidance", "1"]
+    first = _grid(run, tmp_path, *flags, "--image", a)
+    np.testing.assert_array_equal(first, _grid(run, tmp_path, *flags, "--image", a))
+    assert not np.array_equal(first, _grid(run, tmp_path, *flags, "--image", b))
+    capsys.readouterr()
+    argv = ["--checkpoint", str(run), *flags, "--prompt", "p", "--out", str(tmp_path / "x")]
+    assert sample.main([*argv, "--image", a, "--last-image", b]) == 2  # an I2V (not FLF2V) model
+    assert "takes no --last-image" in capsys.readouterr().err
