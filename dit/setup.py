@@ -17,12 +17,30 @@ def model_config_of(cfg: ModelConfig) -> dict:
         return model_kwargs(cfg.size, cfg.overrides)
     import json
 
-    from dit.wan_import import OUR_CLASS, WAN_TEXT_LEN, transformer_folder, videodit_config
+    from dit.wan_import import (
+        OUR_CLASS,
+        WAN_TEXT_LEN,
+        pipeline_expand_timesteps,
+        transformer_folder,
+        videodit_config,
+    )
 
     config = json.loads((transformer_folder(cfg.pretrained) / "config.json").read_text())
     if config.get("_class_name") == OUR_CLASS:
-        return {k: v for k, v in config.items() if not k.startswith("_")}
-    return videodit_config(config, WAN_TEXT_LEN)
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+    else:
+        config = videodit_config(config, WAN_TEXT_LEN, pipeline_expand_timesteps(cfg.pretrained))
+    return {
+        **config,
+        "expand_timesteps": size_expands_timesteps(cfg) or config.get("expand_timesteps", False),
+    }
+
+
+def size_expands_timesteps(cfg: ModelConfig) -> bool:
+    """A TI2V model.size marks a pretrained model as per-token (a bare transformer/ folder cannot say)."""
+    from dit.sizes import MODEL_SIZES
+
+    return bool(MODEL_SIZES.get(cfg.size, {}).get("expand_timesteps"))
 
 
 def build_model(cfg: ModelConfig) -> VideoDiT:
@@ -36,6 +54,8 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
 
         model = load_pretrained(cfg.pretrained)
         check_same_task(cfg, model.config)
+        if size_expands_timesteps(cfg):
+            model.register_to_config(expand_timesteps=True)
     else:
         model = VideoDiT(**model_kwargs(cfg.size, cfg.overrides))
     model.gradient_checkpointing = cfg.gradient_checkpointing
