@@ -101,11 +101,18 @@ class FlowConfig:
     val_sigmas: list = field(
         default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9]
     )  # fixed sigmas of the val loss
+    # share of clips trained image-to-video the Wan2.2 TI2V way: latent frame 0 clean at t = 0 and out of
+    # the loss (dit/ti2v.py); 0 = text-to-video only. Needs a per-token model (model.size=wan2.2-ti2v-5b)
+    clean_first_frame: float = 0.0
 
     def __post_init__(self):
         if self.timestep_sampling not in ("logit_normal", "uniform"):
             raise ValueError(
                 f"flow.timestep_sampling={self.timestep_sampling!r}; use 'logit_normal' or 'uniform'"
+            )
+        if not 0.0 <= self.clean_first_frame <= 1.0:
+            raise ValueError(
+                f"flow.clean_first_frame={self.clean_first_frame} must be in [0, 1] (a share of the clips)"
             )
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"flow.shift={self.shift} must be positive (or null for the token-count shift)")

@@ -50,3 +50,27 @@ def replace_first_frame(x: torch.Tensor, image_tokens: torch.Tensor, clean: torc
     """x (n, p) with the ``clean`` tokens' values taken from ``image_tokens`` (n, p) (the image latent
     broadcast over frames, as the pipeline's ``(1 - mask) * condition + mask * latents``)."""
     return torch.where(clean[:, None], image_tokens.to(x), x)
+
+
+def check_ti2v_data(config, data_channels: int, clean_first_frame: float, cached: bool) -> None:
+    """ValueError naming the fix when the data or the training mode do not fit a TI2V model (or a
+    clean first frame is asked of a model without per-token timesteps)."""
+    get = config.get if hasattr(config, "get") else lambda key: getattr(config, key, None)
+    if clean_first_frame > 0 and not get("expand_timesteps"):
+        raise ValueError(
+            f"flow.clean_first_frame={clean_first_frame} needs a model with per-token timesteps (Wan2.2 TI2V: "
+            "model.size=wan2.2-ti2v-5b, or a TI2V pipeline as model.pretrained); set flow.clean_first_frame=0"
+        )
+    if not get("expand_timesteps"):
+        return
+    if clean_first_frame > 0:
+        check_first_frame_patch(get("patch_size"))
+    in_channels = get("in_channels")
+    if data_channels != in_channels:
+        source = "the latent cache holds" if cached else "data.vae makes"
+        old = " (the Wan2.1 VAE's)" if data_channels == 16 else ""
+        raise ValueError(
+            f"{source} {data_channels}-channel latents{old} but this TI2V model takes {in_channels} (the Wan2.2 "
+            "VAE's); rebuild the cache with python -m data.cache --vae wan --vae-path /ckpt/Wan2.2-TI2V-5B-Diffusers "
+            "(or set data.vae_path to that folder)"
+        )
