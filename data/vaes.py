@@ -4,6 +4,10 @@
     z = vae.encode(video)   # (b, 3, f, h, w) in [-1, 1] -> (b, c', 1 + (f-1)//4, h/8, w/8), normalized
     x = vae.decode(z)       # -> (b, 3, f, h, w) in [-1, 1]
 
+"wan" covers both Wan VAEs, told apart by their config: Wan2.1's (16 channels, 8x spatial) and
+Wan2.2's (TI2V-5B: 48 channels, 16x spatial through a 2x2 pixel patch, residual blocks), each with its
+own per-channel latents_mean/latents_std.
+
 Latents are normalized the way each model family's transformer expects them, so a DiT trained on
 them matches the family's convention (Wan: per-channel mean/std; HunyuanVideo and CogVideoX: a
 single scaling factor).
@@ -62,7 +66,10 @@ class DiffusersVAE:
         if kind == "wan":
             self.latent_channels = cfg.z_dim
             t = cfg.get("scale_factor_temporal") or 2 ** sum(cfg.temperal_downsample)
-            s = cfg.get("scale_factor_spatial") or 2 ** len(cfg.temperal_downsample)
+            # Wan2.2's VAE folds 2x2 pixels into channels first (patch_size 2): 16x spatial in all
+            s = cfg.get("scale_factor_spatial") or 2 ** len(cfg.temperal_downsample) * (
+                cfg.get("patch_size") or 1
+            )
             self.stride = (int(t), int(s), int(s))
             c = self.latent_channels
             self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, c, 1, 1, 1)
