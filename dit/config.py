@@ -71,7 +71,7 @@ class DataConfig:
     resolutions: list = field(default_factory=lambda: [[16, 16], [16, 24], [24, 16]])
     max_shapes: int = 2  # synthetic only: most moving shapes in one clip
     options: dict = field(default_factory=dict)  # clip-policy options for real sources (see docs/data.md)
-    vae: str = "identity"  # 'identity' (pixel space), 'wan', 'hunyuan' or 'cogvideox'
+    vae: str = "identity"  # 'identity' (pixel space), 'wan', 'wan2.2' (TI2V-5B), 'hunyuan' or 'cogvideox'
     vae_path: str | None = None  # local directory of the VAE weights
     text_encoder: str = "hashed"  # 'hashed' (built in), 't5' or 'umt5'
     text_encoder_path: str | None = None  # local directory of the text encoder

@@ -110,11 +110,13 @@ def build_vae(cfg: DataConfig, device: torch.device | str = "cpu"):
 
 
 def vae_stride(cfg: DataConfig) -> tuple[int, int, int]:
-    """The VAE's (t, h, w) stride: the user's data.options.vae_stride, else pixel space or 4x8x8 (the
-    stride of every supported video VAE: Wan, HunyuanVideo, CogVideoX)."""
+    """The VAE's (t, h, w) stride: the user's data.options.vae_stride, else the kind's (pixel space
+    1x1x1, Wan2.2's 4x16x16, 4x8x8 for Wan2.1, HunyuanVideo and CogVideoX)."""
     if "vae_stride" in cfg.options:
         return tuple(cfg.options["vae_stride"])
-    return (1, 1, 1) if cfg.vae == "identity" else (4, 8, 8)
+    from data.vaes import VAE_STRIDES
+
+    return VAE_STRIDES.get(cfg.vae, (4, 8, 8))
 
 
 def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):

@@ -71,6 +71,6 @@ def check_ti2v_data(config, data_channels: int, clean_first_frame: float, cached
         old = " (the Wan2.1 VAE's)" if data_channels == 16 else ""
         raise ValueError(
             f"{source} {data_channels}-channel latents{old} but this TI2V model takes {in_channels} (the Wan2.2 "
-            "VAE's); rebuild the cache with python -m data.cache --vae wan --vae-path /ckpt/Wan2.2-TI2V-5B-Diffusers "
-            "(or set data.vae_path to that folder)"
+            "VAE's); rebuild the cache with python -m data.cache --vae wan2.2 --vae-path /ckpt/Wan2.2-TI2V-5B-Diffusers "
+            "(or set data.vae=wan2.2 and data.vae_path to that folder)"
         )

@@ -206,3 +206,31 @@ def test_train_then_sample_cli_with_image(tmp_path, capsys):
     assert sample.main([*args, "--image", str(png)]) == 0
     assert sample.main(args) == 0  # text-to-video: the same model without an image
     assert len([p for p in (tmp_path / "samples").iterdir() if p.suffix == ".mp4"]) == 2
+
+
+def test_vae_kinds_are_told_apart(tmp_path):
+    from data.vaes import load_vae, wan_vae_kind
+    from dit.config import DataConfig
+    from dit.setup import vae_stride
+
+    small_wan22_vae().save_pretrained(tmp_path / "wan22")
+    assert wan_vae_kind(tmp_path / "wan22") == "wan2.2"
+    assert load_vae("wan2.2", str(tmp_path / "wan22")).stride == (4, 16, 16)
+    with pytest.raises(
+        ValueError, match=r"is the Wan2.2 VAE \(8 channels, stride \(4, 16, 16\)\); set data.vae=wan2.2"
+    ):
+        load_vae("wan", str(tmp_path / "wan22"))
+    assert vae_stride(DataConfig(vae="wan2.2")) == (4, 16, 16)  # token counts before any VAE loads
+    assert vae_stride(DataConfig(vae="wan")) == (4, 8, 8)
+
+
+def test_config_dry_run_prints_parameters_and_memory(capsys):
+    import train
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "wan2.2-ti2v-5b-finetune.yaml"
+    assert (
+        train.main(["--config", str(config), "--dry-run", "--world-size", "8"]) == 1
+    )  # /path/to placeholders
+    out = capsys.readouterr().out
+    assert "model: 5.00B parameters" in out and "memory per GPU" in out
+    assert "model.pretrained=/path/to/Wan2.2-TI2V-5B-Diffusers does not exist" in out
