@@ -183,3 +183,21 @@ def test_cp_equals_one_process(tmp_path):
         # fp32: the shards sum the same per-token terms in two parts; rounding ~1e-7 relative
         assert abs(cp_loss - float(loss)) <= 1e-6 * abs(float(loss)), method
         assert float((cp_grads - flat).abs().max()) <= 1e-5 * float(flat.abs().max()), method
+
+
+def test_wan21_cache_under_ti2v_names_the_fix(tmp_path):
+    """A latent cache encoded with the Wan2.1 VAE (16 channels, 4x8x8) under data.vae=wan2.2: one
+    line naming the command that rebuilds it. (Under data.vae=wan, check_ti2v_data above catches the
+    16 channels instead.)"""
+    import json
+
+    from data.cache_dataset import FORMAT, INDEX
+    from dit.config import DataConfig
+    from dit.setup import build_datasets
+
+    index = {"format": FORMAT, "samples": [{"index": 0}], "vae": {"kind": "wan", "stride": [4, 8, 8]},
+             "latent_channels": 16, "text_dim": 8}  # fmt: skip
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"Wan2.1 VAE latents .* --vae wan2.2 --vae-path") as err:
+        build_datasets(DataConfig(source=str(tmp_path), vae="wan2.2"), (1, 2, 2))
+    assert "\n" not in str(err.value)
