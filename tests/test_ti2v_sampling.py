@@ -101,8 +101,9 @@ def test_small_vae_encodes_and_decodes_as_the_pipeline():
         assert got.shape == (1, Z, 2, 2, 3)  # 16x spatial, 4x temporal (causal)
         # x / s vs x * (1 / s): one rounding apart, ~1e-7 relative on values of O(1)
         assert float((got - want).abs().max()) <= 1e-6
-        decoded = vae.decode(want / inv_std + mean).sample.clamp(-1, 1)  # the pipelines' decode
-        assert float((ours.decode(want) - decoded).abs().max()) <= 1e-5
+        first = want[:, :, :1]  # one latent frame decodes the same way, at a quarter of the cost
+        decoded = vae.decode(first / inv_std + mean).sample.clamp(-1, 1)  # the pipelines' decode
+        assert float((ours.decode(first) - decoded).abs().max()) <= 1e-5
 
 
 class FixedText:
@@ -185,7 +186,7 @@ def test_bad_inputs(models):
 
 def test_train_then_sample_cli_with_image(tmp_path, capsys):
     """A tiny pixel-space TI2V run (per-token timesteps, half the clips image-to-video) trains through
-    train.py and samples through sample.py with and without --image."""
+    train.py and samples through sample.py --image (text-to-video sampling: the parity test above)."""
     import imageio.v2 as imageio
     from conftest import tiny_overrides
 
@@ -194,7 +195,7 @@ def test_train_then_sample_cli_with_image(tmp_path, capsys):
 
     overrides = tiny_overrides(
         tmp_path,
-        **{"train.max_steps": 2, "model.overrides": "{num_layers: 2, ffn_dim: 128, expand_timesteps: true}",
+        **{"train.max_steps": 1, "train.val_every": 1, "model.overrides": "{num_layers: 2, ffn_dim: 128, expand_timesteps: true}",
            "flow.clean_first_frame": 0.5},
     )  # fmt: skip
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -204,8 +205,7 @@ def test_train_then_sample_cli_with_image(tmp_path, capsys):
     args = ["--checkpoint", str(tmp_path / "run"), "--prompt", "a red circle", "--frames", "3", "--height", "8",
             "--width", "12", "--steps", "2", "--out", str(tmp_path / "samples")]  # fmt: skip
     assert sample.main([*args, "--image", str(png)]) == 0
-    assert sample.main(args) == 0  # text-to-video: the same model without an image
-    assert len([p for p in (tmp_path / "samples").iterdir() if p.suffix == ".mp4"]) == 2
+    assert len([p for p in (tmp_path / "samples").iterdir() if p.suffix == ".mp4"]) == 1
 
 
 def test_vae_kinds_are_told_apart(tmp_path):
