@@ -201,3 +201,14 @@ def test_wan21_cache_under_ti2v_names_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"Wan2.1 VAE latents .* --vae wan2.2 --vae-path") as err:
         build_datasets(DataConfig(source=str(tmp_path), vae="wan2.2"), (1, 2, 2))
     assert "\n" not in str(err.value)
+
+
+def test_routed_clips_keep_their_mode():
+    """Dynamic-CP routes clips between ranks as a header plus one flat tensor: the image-to-video flag
+    must survive (planted: _unflatten ignoring it -> fails)."""
+    from dynamic_cp.runtime.routing import _flatten, _header, _unflatten
+
+    for clip in make_clips():
+        back = _unflatten(_header(7, clip), _flatten(clip))
+        assert back.clean_first == clip.clean_first
+        assert torch.equal(back.x0, clip.x0) and torch.equal(back.positions, clip.positions)
