@@ -159,3 +159,39 @@ def test_per_token_path_equals_per_clip_when_all_tokens_share_the_clip_t():
     assert float((per_clip - per_token).abs().max()) <= 1e-6
     with pytest.raises(ValueError, match="one timestep per token"):
         model(*args, token_timesteps=timesteps)
+
+
+def test_lora_loads_into_diffusers_without_missing_keys(tmp_path):
+    """A TI2V LoRA trained here (patch embedding and FFN targeted too) loads into diffusers' model as
+    WanPipeline.load_lora_weights does, with the same keys and the same per-token-timestep outputs.
+    Planted: the patch embedding's lora_A reshaped to Conv3d without the (pt, ph, pw, c) -> (c, pt, ph,
+    pw) permutation (48 channels make it a real permutation) -> outputs off by 3.3."""
+    from diffusers import WanPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    from dit import lora
+    from dit.config import LoraSettings
+
+    wan = make_wan()
+    source = import_wan_state_dict(
+        wan.config, {k: v.clone() for k, v in wan.state_dict().items()}, text_pad_len=TEXT_LEN
+    )
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.2", "proj_out", "patch_embedding"]
+    lora.add_lora(source, lora.peft_config(LoraSettings(rank=2, alpha=4, target_modules=targets)))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(source):
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    lora.save_lora(source, tmp_path / "lora")
+
+    state, metadata = WanPipeline.lora_state_dict(str(tmp_path / "lora"), return_lora_metadata=True)
+    WanPipeline.load_lora_into_transformer(state, transformer=wan, metadata=metadata)
+    (adapter,) = wan.peft_config
+    live = set(get_peft_model_state_dict(wan, adapter_name=adapter))
+    assert live == {k.removeprefix("transformer.") for k in state}  # no missing, no unexpected keys
+    clips, texts = make_batch()
+    with torch.no_grad():
+        got = ours_packed(source, clips, texts)
+        want = diffusers_per_clip(wan, clips, texts)
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max()) <= 1e-5  # the output tolerance derived above
