@@ -55,6 +55,15 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
         model = load_pretrained(cfg.pretrained)
         check_same_task(cfg, model.config)
         if size_expands_timesteps(cfg):
+            from dit.sizes import MODEL_SIZES
+
+            want = MODEL_SIZES[cfg.size]["in_channels"]
+            if model.config.in_channels != want:
+                raise ValueError(
+                    f"model.pretrained={cfg.pretrained} takes {model.config.in_channels} latent channels but "
+                    f"model.size={cfg.size} is Wan2.2 TI2V ({want}, the Wan2.2 VAE's); point model.pretrained "
+                    "at Wan2.2-TI2V-5B-Diffusers, or choose the model.size of that checkpoint"
+                )
             model.register_to_config(expand_timesteps=True)
     else:
         model = VideoDiT(**model_kwargs(cfg.size, cfg.overrides))

@@ -212,3 +212,24 @@ def test_routed_clips_keep_their_mode():
         back = _unflatten(_header(7, clip), _flatten(clip))
         assert back.clean_first == clip.clean_first
         assert torch.equal(back.x0, clip.x0) and torch.equal(back.positions, clip.positions)
+
+
+def test_wan21_checkpoint_under_the_ti2v_size_is_refused(tmp_path):
+    """A Wan2.1 transformer (16 channels here 4) as model.pretrained under model.size=wan2.2-ti2v-5b:
+    one line naming the fix (planted: the check removed -> the model loads with per-token timesteps)."""
+    from diffusers import WanTransformer3DModel
+
+    from dit.config import ModelConfig
+    from dit.setup import build_model
+
+    small = {k: v for k, v in TINY.items() if k not in ("adaln_zero_init", "expand_timesteps")}
+    small["out_channels"] = 4  # diffusers defaults to 16
+    WanTransformer3DModel(**small).save_pretrained(tmp_path / "t2v")
+    with pytest.raises(
+        ValueError, match=r"takes 4 latent channels but model.size=wan2.2-ti2v-5b is Wan2.2 TI2V"
+    ):
+        build_model(ModelConfig(size="wan2.2-ti2v-5b", pretrained=str(tmp_path / "t2v")))
+    # the same folder marked as a TI2V pipeline loads per-token under its own size
+    (tmp_path / "model_index.json").write_text('{"expand_timesteps": true}')
+    WanTransformer3DModel(**small).save_pretrained(tmp_path / "transformer")
+    assert build_model(ModelConfig(size="tiny", pretrained=str(tmp_path))).config.expand_timesteps
