@@ -100,7 +100,13 @@ def _cache(source: str, options: dict):
     ds = LatentCacheDataset(source, options.get("max_failure_share", 0.05))
     stride = options.get("vae_stride")
     if stride is not None and tuple(stride) != ds.vae_stride:
+        fix = (
+            "; it holds Wan2.1 VAE latents but data.vae=wan2.2 (TI2V): rebuild it with python -m data.cache "
+            "--vae wan2.2 --vae-path /ckpt/Wan2.2-TI2V-5B-Diffusers"
+            if tuple(stride) == (4, 16, 16) and ds.latent_channels == 16
+            else "; rebuild the cache with the VAE data.vae names, or set data.vae to the cache's"
+        )
         raise ValueError(
-            f"cache {source} was encoded with vae_stride {ds.vae_stride}, the config asks for {tuple(stride)}"
+            f"cache {source} was encoded with vae_stride {ds.vae_stride}, the config asks for {tuple(stride)}{fix}"
         )
     return ds

@@ -21,6 +21,7 @@ from dit.config import FlowConfig
 from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
 from dit.image_cond import ImageConditioning, condition_mask, image_condition, join_condition
 from dit.packing import grid_positions, local_seq_lens, patchify
+from dit.ti2v import check_first_frame_patch, first_frame_tokens, replace_first_frame, token_timesteps
 
 
 def clip_generator(seed: int, step: int, index: int) -> torch.Generator:
@@ -39,6 +40,7 @@ class TrainClip:
     text: torch.Tensor  # (l, d)
     condition: torch.Tensor | None = None  # (n, P*cc) mask + image latent tokens (image-to-video)
     image: torch.Tensor | None = None  # (m, image_dim) CLIP tokens (Wan2.1 I2V / FLF2V)
+    clean_first: bool = False  # Wan2.2 TI2V image-to-video: latent frame 0 clean, t = 0, out of the loss
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +150,11 @@ def prepare_clip(
     sigma = float(shift_sigmas(sigma, shift))
     noise = torch.randn(x0.shape, generator=g).to(x0.device)
     clip = TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
+    # drawn last and only when asked for, so text-to-video runs keep their random stream; a one-frame
+    # clip (an image) has nothing left to denoise once its frame is given
+    if flow.clean_first_frame > 0 and grid[0] > 1:
+        check_first_frame_patch(patch)
+        clip.clean_first = bool(torch.rand((), generator=g) < flow.clean_first_frame)
     if encoder.conditioning is not None:
         condition, clip.image = encoder.encode_condition(sample)
         clip.condition = patchify(condition, patch)
@@ -178,6 +185,16 @@ def micro_batch_loss(
         x0, noise, positions = x0[start:end], noise[start:end], positions[start:end]
     x_t = add_noise(x0, noise, sigmas.repeat_interleave(local_lens).to(x0.device))
     extra = {}
+    loss_lens = seq_lens  # tokens each clip's loss averages over
+    clean = None
+    if any(c.clean_first for c in clips):  # TI2V image-to-video: frame 0 clean, t = 0, out of the loss
+        clean_first = torch.tensor([c.clean_first for c in clips])
+        clean = first_frame_tokens(positions, local_lens, clean_first)  # (n,) this shard's frame-0 tokens
+        x_t = replace_first_frame(x_t, x0, clean)
+        extra["token_timesteps"] = token_timesteps(sigmas.to(x0.device) * 1000, local_lens, clean)
+        loss_lens = torch.tensor(
+            [c.num_tokens - int((c.positions[:, 0] == 0).sum()) * c.clean_first for c in clips]
+        )
     if clips[0].condition is not None:  # image-to-video: noisy latent, mask, image latent (in channels)
         condition = torch.cat([c.condition for c in clips])
         if token_range is not None:
@@ -188,5 +205,7 @@ def micro_batch_loss(
     text = torch.cat([c.text for c in clips])
     text_lens = torch.tensor([c.text.shape[0] for c in clips])
     pred = model(x_t, positions, local_lens, sigmas.to(x0.device) * 1000, text, text_lens, attention, **extra)
-    weights = clip_token_weights(local_lens, seq_lens, num_clips_global).to(x0.device)
+    weights = clip_token_weights(local_lens, loss_lens, num_clips_global).to(x0.device)
+    if clean is not None:
+        weights = weights.masked_fill(clean, 0.0)
     return flow_loss(pred, noise - x0, weights)

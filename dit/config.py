@@ -71,7 +71,7 @@ class DataConfig:
     resolutions: list = field(default_factory=lambda: [[16, 16], [16, 24], [24, 16]])
     max_shapes: int = 2  # synthetic only: most moving shapes in one clip
     options: dict = field(default_factory=dict)  # clip-policy options for real sources (see docs/data.md)
-    vae: str = "identity"  # 'identity' (pixel space), 'wan', 'hunyuan' or 'cogvideox'
+    vae: str = "identity"  # 'identity' (pixel space), 'wan', 'wan2.2' (TI2V-5B), 'hunyuan' or 'cogvideox'
     vae_path: str | None = None  # local directory of the VAE weights
     text_encoder: str = "hashed"  # 'hashed' (built in), 't5' or 'umt5'
     text_encoder_path: str | None = None  # local directory of the text encoder
@@ -101,11 +101,18 @@ class FlowConfig:
     val_sigmas: list = field(
         default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9]
     )  # fixed sigmas of the val loss
+    # share of clips trained image-to-video the Wan2.2 TI2V way: latent frame 0 clean at t = 0 and out of
+    # the loss (dit/ti2v.py); 0 = text-to-video only. Needs a per-token model (model.size=wan2.2-ti2v-5b)
+    clean_first_frame: float = 0.0
 
     def __post_init__(self):
         if self.timestep_sampling not in ("logit_normal", "uniform"):
             raise ValueError(
                 f"flow.timestep_sampling={self.timestep_sampling!r}; use 'logit_normal' or 'uniform'"
+            )
+        if not 0.0 <= self.clean_first_frame <= 1.0:
+            raise ValueError(
+                f"flow.clean_first_frame={self.clean_first_frame} must be in [0, 1] (a share of the clips)"
             )
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"flow.shift={self.shift} must be positive (or null for the token-count shift)")

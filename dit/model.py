@@ -15,6 +15,13 @@ and attended to in every cross-attention through separate ``add_k_proj``/``add_v
 that output is added to the text attention's. The image latents and mask enter as extra input
 channels (``dit/image_cond.py``), so they need nothing here.
 
+Per-token timesteps (Wan2.2 TI2V-5B, diffusers' ``expand_timesteps``): ``token_timesteps`` gives each
+token its own timestep, so its modulation (and the output norm's shift and scale) come from its own
+time embedding instead of its clip's. TI2V's image-to-video mode gives the clean first latent frame
+t = 0 and the rest of the clip the clip's t (``dit/ti2v.py``). The embedding runs once per distinct
+value (a clip has one or two), and every block gathers its rows per token, so memory stays that of
+per-clip timesteps. Without ``token_timesteps`` the model runs exactly as before.
+
 Legend: n = packed tokens held by this process, b = clips in the micro-batch, l = text tokens
 (all clips), m = image tokens per clip, p = patch values (pt*ph*pw*c), D = hidden width, h = heads,
 d = head dim.
@@ -241,10 +248,14 @@ class DiTBlock(nn.Module):
         attention: AttentionFn,
         image: torch.Tensor | None = None,  # (b*m, D) embedded image tokens, image-conditioned models only
         image_cu_seqlens: torch.Tensor | None = None,  # (b+1,)
+        modulation_rows: torch.Tensor | None = None,  # (n,) row of ``modulation`` per token (per-token t)
     ) -> torch.Tensor:
-        mod = self.scale_shift_table + modulation.float()  # (b, 6, D)
+        mod = self.scale_shift_table + modulation.float()  # (b, 6, D), or (u, 6, D) per distinct timestep
         n = x.shape[0]
-        shift1, scale1, gate1, shift2, scale2, gate2 = (per_token(m, seq_lens, n) for m in mod.unbind(1))
+        if modulation_rows is None:
+            shift1, scale1, gate1, shift2, scale2, gate2 = (per_token(m, seq_lens, n) for m in mod.unbind(1))
+        else:
+            shift1, scale1, gate1, shift2, scale2, gate2 = mod.index_select(0, modulation_rows).unbind(1)
 
         # 1. self-attention over each whole clip (possibly spread over a CP group)
         h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
@@ -280,6 +291,11 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     ``image_dim``, ``added_kv_proj_dim`` (must equal the width) and ``pos_embed_seq_len`` (FLF2V: 514
     tokens of two images) are diffusers' image-conditioning fields; with ``image_dim`` set, forward
     needs each clip's CLIP image tokens.
+
+    ``expand_timesteps`` (ours; diffusers keeps it in the pipeline's ``model_index.json``): the model
+    was trained with per-token timesteps, Wan2.2 TI2V-5B. It changes no weight and no computation
+    here; training and sampling read it to run image-to-video with a clean first latent frame at
+    t = 0 (``dit/ti2v.py``).
     """
 
     _supports_gradient_checkpointing = True
@@ -306,6 +322,7 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         image_dim: int | None = None,
         added_kv_proj_dim: int | None = None,
         pos_embed_seq_len: int | None = None,
+        expand_timesteps: bool = False,
     ):
         super().__init__()
         dim = num_attention_heads * attention_head_dim
@@ -362,9 +379,22 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         text_lens: torch.Tensor,  # (b,)
         attention: AttentionFn,
         image: torch.Tensor | None = None,  # (b, m, image_dim) CLIP tokens per clip (image_dim models)
+        token_timesteps: torch.Tensor | None = None,  # (n,) in [0, 1000]: each token's own (TI2V)
     ) -> torch.Tensor:
-        """Returns the predicted velocity for each token, (n, p_out)."""
+        """Returns the predicted velocity for each token, (n, p_out).
+
+        ``token_timesteps`` replaces ``timesteps`` for the modulation of every token (diffusers'
+        (batch, seq_len) timestep of Wan2.2 TI2V); None keeps one timestep per clip."""
         ce = self.condition_embedder
+        rows = None  # (n,) row of temb/modulation per token when timesteps are per token
+        if token_timesteps is not None:
+            if token_timesteps.shape != (tokens.shape[0],):
+                raise ValueError(
+                    f"token_timesteps has shape {tuple(token_timesteps.shape)}, expected ({tokens.shape[0]},): "
+                    "one timestep per token held here"
+                )
+            # one embedding per distinct value (1-2 per clip), gathered per token in each block
+            timesteps, rows = torch.unique(token_timesteps.float(), return_inverse=True)  # (u,), (n,)
         t_freq = ce.timesteps_proj(timesteps.float())  # (b, freq_dim)
         temb = ce.time_embedder(t_freq.to(ce.time_embedder.linear_1.weight.dtype)).type_as(tokens)  # (b, D)
         modulation = ce.time_proj(F.silu(temb)).unflatten(1, (6, -1))  # (b, 6, D)
@@ -380,15 +410,19 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         for block in self.blocks:
             args = (x, context, modulation, rope, seq_lens, cu_seqlens, text_cu_seqlens, attention)
             args += (image_context, image_cu_seqlens)
+            if rows is not None:  # absent otherwise: the block's call (and compiled graph) stays as it was
+                args += (rows,)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, *args, use_reentrant=False)
             else:
                 x = block(*args)
 
         shift, scale = (self.scale_shift_table + temb[:, None, :]).unbind(1)  # (b, D) each
-        x = (
-            self.norm_out(x.float()) * (1 + per_token(scale, seq_lens)) + per_token(shift, seq_lens)
-        ).type_as(x)
+        if rows is None:
+            shift, scale = per_token(shift, seq_lens), per_token(scale, seq_lens)
+        else:
+            shift, scale = shift.index_select(0, rows), scale.index_select(0, rows)  # (n, D)
+        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return self.proj_out(x)  # (n, pt*ph*pw*c)
 
     def embed_image(

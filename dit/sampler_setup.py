@@ -104,7 +104,7 @@ def load_pretrained_sampler(
     and ``image_processor/`` (``data/image_encoders.py``). ``model_device``: where the DiT goes
     (default ``device``; the CPU when it is sharded next)."""
     from data.text_encoders import load_text_encoder
-    from data.vaes import load_vae
+    from data.vaes import load_vae, wan_vae_kind
     from dit.sampling import data_channels
     from dit.wan_import import load_pretrained
 
@@ -127,7 +127,7 @@ def load_pretrained_sampler(
             f"{path / 'text_encoder'} gives {text_encoder.dim}-wide embeddings but {path / 'transformer'} "
             f"expects text_dim={model.config.text_dim}; the folder mixes parts of different models"
         )
-    vae = load_vae("wan", path / "vae", device=str(device))
+    vae = load_vae(wan_vae_kind(path / "vae"), path / "vae", device=str(device))
     channels = data_channels(model)
     if vae.latent_channels != channels:
         raise ValueError(

@@ -30,6 +30,7 @@ from dit.flow import shift_for_tokens
 from dit.image_cond import conditioning_of, image_condition, join_condition
 from dit.packing import check_divisible, grid_positions, local_seq_lens, patchify, unpatchify
 from dit.sample_requests import SampleRequest
+from dit.ti2v import check_first_frame_patch, replace_first_frame
 
 # (x (n, p), timestep) -> (v_cond (n, p), v_uncond (n, p) or None): one guided step's velocities
 Velocities = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -91,12 +92,15 @@ def branch_velocity(
     token_range: tuple[int, int] | None = None,
     condition: torch.Tensor | None = None,
     image_tokens: torch.Tensor | None = None,
+    clean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Velocity of ``len(texts)`` branches of one clip packed into one sequence (k copies of ``x``,
     one per text), or of its slice ``token_range`` (this rank's CP shard): (k*n or end-start, p).
 
     Image-to-video models also take ``condition`` (n, P*cc), the mask and image latent joined to every
-    branch's tokens, and ``image_tokens`` (m, image_dim), the CLIP tokens of every branch."""
+    branch's tokens, and ``image_tokens`` (m, image_dim), the CLIP tokens of every branch. ``clean``
+    (n,) marks Wan2.2 TI2V's given first frame: those tokens run at timestep 0 (``x`` holds the image
+    latent there, see ``denoise``)."""
     k, n = len(texts), x.shape[0]
     seq_lens = torch.full((k,), n)
     x_in = x.repeat(k, 1)  # (k*n, p)
@@ -104,13 +108,20 @@ def branch_velocity(
         x_in = join_condition(x_in, condition.repeat(k, 1), math.prod(model.config.patch_size))
     pos = positions.repeat(k, 1)  # (k*n, 3)
     local = seq_lens
+    extra = {}
+    if clean is not None:  # TI2V: the given frame at t = 0, every other token at t, in every branch
+        times = torch.where(clean, torch.zeros((), device=x.device), t.float().to(x.device))
+        extra["token_timesteps"] = times.repeat(k)  # (k*n,)
     if token_range is not None:
         start, end = token_range
         x_in, pos, local = x_in[start:end], pos[start:end], local_seq_lens(seq_lens, start, end)
+        if clean is not None:
+            extra["token_timesteps"] = extra["token_timesteps"][start:end]
     text = torch.cat(texts)  # (l, d)
     text_lens = torch.tensor([tx.shape[0] for tx in texts])
     # (clips here, m, image_dim): the same tokens for every branch, so for each clip of the shard
-    extra = {} if image_tokens is None else {"image": image_tokens.expand(len(local), -1, -1)}
+    if image_tokens is not None:
+        extra["image"] = image_tokens.expand(len(local), -1, -1)
     return model(x_in, pos, local, t.expand(k).float(), text, text_lens, attention, **extra).float()
 
 
@@ -118,11 +129,22 @@ def cfg_mix(v_cond: torch.Tensor, v_uncond: torch.Tensor | None, guidance: float
     return v_cond if v_uncond is None else v_uncond + guidance * (v_cond - v_uncond)
 
 
-def denoise(x: torch.Tensor, scheduler, velocities: Velocities, guidance: float) -> torch.Tensor:
-    """Euler steps from noise ``x`` (n, p); ``velocities`` runs the model wherever it runs."""
+def denoise(
+    x: torch.Tensor,
+    scheduler,
+    velocities: Velocities,
+    guidance: float,
+    first_frame: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Euler steps from noise ``x`` (n, p); ``velocities`` runs the model wherever it runs.
+
+    ``first_frame`` (Wan2.2 TI2V image-to-video): (image latent tokens (n, p), clean (n,)). As
+    diffusers' pipeline does, the model sees the image latent on the clean tokens at every step while
+    the scheduler steps the whole latent, and the result carries the image latent there."""
+    given = (lambda v: v) if first_frame is None else (lambda v: replace_first_frame(v, *first_frame))
     for t in scheduler.timesteps:
-        x = scheduler.step(cfg_mix(*velocities(x, t), guidance), t, x).prev_sample
-    return x
+        x = scheduler.step(cfg_mix(*velocities(given(x), t), guidance), t, x).prev_sample
+    return given(x)
 
 
 def decode(x: torch.Tensor, grid, patch, vae) -> torch.Tensor:
@@ -142,12 +164,19 @@ class Prepared:
     texts: list[torch.Tensor]  # [cond] or [cond, uncond]
     condition: torch.Tensor | None = None  # (n, P*cc) mask and image latent: image-to-video models
     image_tokens: torch.Tensor | None = None  # (m, image_dim) CLIP tokens: models with image_dim
+    # Wan2.2 TI2V image-to-video: (image latent tokens (n, p), clean (n,) first-frame tokens)
+    first_frame: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def velocity(self, model, x, t, attention, token_range=None) -> torch.Tensor:
-        """``branch_velocity`` of this request's branches (all of ``texts``)."""
+    @property
+    def clean(self) -> torch.Tensor | None:
+        return None if self.first_frame is None else self.first_frame[1]
+
+    def velocity(self, model, x, t, attention, token_range=None, texts=None) -> torch.Tensor:
+        """``branch_velocity`` of this request's branches (all of ``texts``, or those given)."""
         return branch_velocity(
-            model, x, t, self.positions, self.texts, attention, token_range, self.condition, self.image_tokens
-        )
+            model, x, t, self.positions, self.texts if texts is None else texts, attention, token_range,
+            self.condition, self.image_tokens, self.clean,
+        )  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
@@ -185,15 +214,41 @@ def prepare(
         noise = patchify(noise.float(), patch)  # (n, p)
     if images is None:
         images = request_images(request)
-    condition, image_tokens = image_inputs(model, vae, request, *images, image_encoder)
+    positions = grid_positions(grid, device)
+    if getattr(model.config, "expand_timesteps", False):  # Wan2.2 TI2V: the image is latent frame 0
+        condition, image_tokens = None, None
+        first_frame = ti2v_first_frame(model, vae, request, *images, positions)
+    else:
+        condition, image_tokens = image_inputs(model, vae, request, *images, image_encoder)
+        first_frame = None
     return Prepared(
         grid,
-        grid_positions(grid, device),
+        positions,
         noise.to(device),
         encode_request(text_encoder, request, device),
         condition,
         image_tokens,
+        first_frame,
     )
+
+
+def ti2v_first_frame(model, vae, request: SampleRequest, image, last_image, positions):
+    """(image latent tokens (n, p), clean (n,)) of a TI2V image-to-video request; None for text-to-video.
+
+    The image alone goes through the VAE (normalized, as the pipeline's ``latent_condition``) and
+    stands in for latent frame 0; ``positions`` say which tokens lie there."""
+    checked_conditioning(model, vae, request, image, last_image)
+    if image is None:
+        return None
+    device = positions.device
+    if vae is None:
+        from data.vaes import IdentityVAE
+
+        vae = IdentityVAE(image.shape[0])
+    latent = vae.encode(image.to(device, torch.float32)[None, :, None])[0].float()  # (c, 1, h, w)
+    grid_f = int(positions[:, 0].max()) + 1
+    tokens = patchify(latent.expand(-1, grid_f, -1, -1), tuple(model.config.patch_size))  # (n, p)
+    return tokens, positions[:, 0] == 0
 
 
 def request_images(request: SampleRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -208,6 +263,12 @@ def checked_conditioning(model, vae, request: SampleRequest, image, last_image):
     ValueError naming the request and the fix when they do not."""
     where = request.label()
     temporal = model_stride(model, vae)[0]
+    if getattr(model.config, "expand_timesteps", False):  # TI2V: text-to-video, or --image as frame 0
+        check_first_frame_patch(model.config.patch_size)
+        if last_image is not None:
+            raise ValueError(f"{where}: Wan2.2 TI2V takes a first frame only; drop --last-image")
+        check_frame_sizes(request, image, last_image)
+        return None
     conditioning = conditioning_of(model.config, data_channels(model), temporal)
     if conditioning is None:
         if image is not None or last_image is not None:
@@ -226,6 +287,13 @@ def checked_conditioning(model, vae, request: SampleRequest, image, last_image):
             else "takes no --last-image (only FLF2V models do)"
         )
         raise ValueError(f"{where}: this model {need}")
+    check_frame_sizes(request, image, last_image)
+    return conditioning
+
+
+def check_frame_sizes(request: SampleRequest, image, last_image) -> None:
+    """ValueError naming the request when a given frame's size is not the clip's."""
+    where = request.label()
     for name, frame in (("--image", image), ("--last-image", last_image)):
         if frame is not None and tuple(frame.shape[1:]) != (request.height, request.width):
             raise ValueError(
@@ -233,7 +301,6 @@ def checked_conditioning(model, vae, request: SampleRequest, image, last_image):
                 f"{request.height} (width x height); resize the image or pass --width {frame.shape[2]} "
                 f"--height {frame.shape[1]}"
             )
-    return conditioning
 
 
 def image_inputs(model, vae, request: SampleRequest, image, last_image, image_encoder):
@@ -283,7 +350,7 @@ def sample_request(
         return (v[: x.shape[0]], v[x.shape[0] :]) if request.guided else (v, None)
 
     scheduler = request_scheduler(request, prep.num_tokens, shift, prep.noise.device)
-    x = denoise(prep.noise, scheduler, velocities, request.guidance)
+    x = denoise(prep.noise, scheduler, velocities, request.guidance, prep.first_frame)
     patch = tuple(model.config.patch_size)
     if return_latents:
         return unpatchify(x, prep.grid, patch).cpu()  # (c, f, h, w)

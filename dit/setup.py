@@ -17,12 +17,30 @@ def model_config_of(cfg: ModelConfig) -> dict:
         return model_kwargs(cfg.size, cfg.overrides)
     import json
 
-    from dit.wan_import import OUR_CLASS, WAN_TEXT_LEN, transformer_folder, videodit_config
+    from dit.wan_import import (
+        OUR_CLASS,
+        WAN_TEXT_LEN,
+        pipeline_expand_timesteps,
+        transformer_folder,
+        videodit_config,
+    )
 
     config = json.loads((transformer_folder(cfg.pretrained) / "config.json").read_text())
     if config.get("_class_name") == OUR_CLASS:
-        return {k: v for k, v in config.items() if not k.startswith("_")}
-    return videodit_config(config, WAN_TEXT_LEN)
+        config = {k: v for k, v in config.items() if not k.startswith("_")}
+    else:
+        config = videodit_config(config, WAN_TEXT_LEN, pipeline_expand_timesteps(cfg.pretrained))
+    return {
+        **config,
+        "expand_timesteps": size_expands_timesteps(cfg) or config.get("expand_timesteps", False),
+    }
+
+
+def size_expands_timesteps(cfg: ModelConfig) -> bool:
+    """A TI2V model.size marks a pretrained model as per-token (a bare transformer/ folder cannot say)."""
+    from dit.sizes import MODEL_SIZES
+
+    return bool(MODEL_SIZES.get(cfg.size, {}).get("expand_timesteps"))
 
 
 def build_model(cfg: ModelConfig) -> VideoDiT:
@@ -36,6 +54,17 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
 
         model = load_pretrained(cfg.pretrained)
         check_same_task(cfg, model.config)
+        if size_expands_timesteps(cfg):
+            from dit.sizes import MODEL_SIZES
+
+            want = MODEL_SIZES[cfg.size]["in_channels"]
+            if model.config.in_channels != want:
+                raise ValueError(
+                    f"model.pretrained={cfg.pretrained} takes {model.config.in_channels} latent channels but "
+                    f"model.size={cfg.size} is Wan2.2 TI2V ({want}, the Wan2.2 VAE's); point model.pretrained "
+                    "at Wan2.2-TI2V-5B-Diffusers, or choose the model.size of that checkpoint"
+                )
+            model.register_to_config(expand_timesteps=True)
     else:
         model = VideoDiT(**model_kwargs(cfg.size, cfg.overrides))
     model.gradient_checkpointing = cfg.gradient_checkpointing
@@ -90,11 +119,13 @@ def build_vae(cfg: DataConfig, device: torch.device | str = "cpu"):
 
 
 def vae_stride(cfg: DataConfig) -> tuple[int, int, int]:
-    """The VAE's (t, h, w) stride: the user's data.options.vae_stride, else pixel space or 4x8x8 (the
-    stride of every supported video VAE: Wan, HunyuanVideo, CogVideoX)."""
+    """The VAE's (t, h, w) stride: the user's data.options.vae_stride, else the kind's (pixel space
+    1x1x1, Wan2.2's 4x16x16, 4x8x8 for Wan2.1, HunyuanVideo and CogVideoX)."""
     if "vae_stride" in cfg.options:
         return tuple(cfg.options["vae_stride"])
-    return (1, 1, 1) if cfg.vae == "identity" else (4, 8, 8)
+    from data.vaes import VAE_STRIDES
+
+    return VAE_STRIDES.get(cfg.vae, (4, 8, 8))
 
 
 def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):

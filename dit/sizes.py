@@ -72,3 +72,15 @@ def model_kwargs(size: str, overrides: dict | None = None) -> dict:
             )
         kwargs[key] = tuple(value) if key == "patch_size" else value
     return kwargs
+
+
+# Wan2.2 TI2V-5B: text- and image-to-video in one model on the Wan2.2 VAE's 48 latent channels (16x
+# spatial, so one token covers 4 x 32 x 32 pixels); image-to-video gives the first latent frame t = 0.
+MODEL_SIZES["wan2.2-ti2v-5b"] = dict(
+    MODEL_SIZES["wan-1.3b"],
+    num_attention_heads=24,
+    in_channels=48,
+    out_channels=48,
+    ffn_dim=14336,
+    expand_timesteps=True,
+)

@@ -46,6 +46,7 @@ from dit.setup import (
     check_cache_fits,
     vae_stride,
 )
+from dit.ti2v import check_ti2v_data
 from dit.tracking import Tracker, check_trackers_installed
 
 
@@ -104,6 +105,12 @@ class Trainer:
         channels = getattr(self.train_set, "latent_channels", None)
         if channels is None:
             channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
+        check_ti2v_data(
+            self.model.config,
+            channels,
+            cfg.flow.clean_first_frame,
+            getattr(self.train_set, "latent_channels", None) is not None,
+        )
         # text-to-video, or image-to-video (mask + image latent as extra input channels); else a ValueError
         self.encoder.conditioning = conditioning_of(self.model.config, channels, vae_stride(cfg.data)[0])
         if self.encoder.conditioning and cfg.train.sample_every:

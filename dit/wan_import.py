@@ -16,8 +16,9 @@ device and then reads one tensor at a time from the (possibly sharded) safetenso
 peak is the model plus one tensor; export writes one shard at a time.
 
 Image conditioning (Wan2.1 I2V/FLF2V: ``image_dim``, ``added_kv_proj_dim``, ``pos_embed_seq_len``)
-maps one to one as well. Wan extras with no counterpart here are refused with a ValueError: Wan2.2's
-per-token timesteps and two-expert pipelines.
+maps one to one as well. Wan2.2 TI2V-5B is a plain Wan transformer; its pipeline's ``expand_timesteps``
+(``model_index.json``) becomes our ``expand_timesteps`` config field. Wan2.2's two-expert pipelines are
+refused as a whole (pass one expert's folder).
 """
 
 from __future__ import annotations
@@ -78,8 +79,12 @@ def _wan_defaults() -> dict:
     return {k: p.default for k, p in params.items() if k != "self"}
 
 
-def videodit_config(wan_config: Mapping, text_pad_len: int | None = WAN_TEXT_LEN) -> dict:
-    """A diffusers WanTransformer3DModel config -> VideoDiT keyword arguments (ValueError if unsupported)."""
+def videodit_config(
+    wan_config: Mapping, text_pad_len: int | None = WAN_TEXT_LEN, expand_timesteps: bool = False
+) -> dict:
+    """A diffusers WanTransformer3DModel config -> VideoDiT keyword arguments (ValueError if unsupported).
+
+    ``expand_timesteps`` is the pipeline's (``model_index.json``; Wan2.2 TI2V), not the transformer's."""
     cls = wan_config.get("_class_name", WAN_CLASS)
     if cls != WAN_CLASS:
         raise ValueError(f"config _class_name is {cls!r}, not {WAN_CLASS!r}; pass a Wan transformer folder")
@@ -97,7 +102,13 @@ def videodit_config(wan_config: Mapping, text_pad_len: int | None = WAN_TEXT_LEN
     kwargs["patch_size"] = tuple(kwargs["patch_size"])
     # diffusers' WanAttention builds and applies norm_q/norm_k whatever qk_norm says, so both values
     # mean RMS norm across heads.
-    return {**kwargs, "qk_norm": True, "adaln_zero_init": False, "text_pad_len": text_pad_len}
+    return {
+        **kwargs,
+        "qk_norm": True,
+        "adaln_zero_init": False,
+        "text_pad_len": text_pad_len,
+        "expand_timesteps": bool(expand_timesteps),
+    }
 
 
 def wan_config(model: VideoDiT) -> dict:
@@ -260,6 +271,16 @@ class SafetensorsCheckpoint:
                         yield key, f.get_tensor(key)
 
 
+def pipeline_expand_timesteps(path: str | Path) -> bool:
+    """``expand_timesteps`` of the Wan pipeline that ``path`` (a pipeline or its transformer folder)
+    belongs to: True for Wan2.2 TI2V (per-token timesteps); False without a ``model_index.json``."""
+    path = Path(path)
+    for folder in (path, path.parent):
+        if (folder / "model_index.json").is_file():
+            return bool(json.loads((folder / "model_index.json").read_text()).get("expand_timesteps"))
+    return False
+
+
 def transformer_folder(path: str | Path) -> Path:
     """A transformer folder (config.json + weights), or a pipeline folder with ``transformer/``."""
     path = Path(path)
@@ -273,11 +294,6 @@ def transformer_folder(path: str | Path) -> Path:
             if (path / "model_index.json").is_file()
             else {}
         )
-        if index.get("expand_timesteps"):
-            raise ValueError(
-                f"{path} is a Wan2.2 TI2V pipeline (expand_timesteps: per-token timesteps), which is not "
-                "supported; use a Wan2.1 text-to-video checkpoint"
-            )
         if (index.get("transformer_2") or [None])[0] is not None:
             raise ValueError(
                 f"{path} is a Wan2.2 two-expert pipeline; pass {path / 'transformer'} (high-noise expert) or "
@@ -306,7 +322,7 @@ def load_pretrained(
         raise ValueError(
             f"{folder}/config.json is a {cls!r}; expected {WAN_CLASS} (diffusers Wan) or {OUR_CLASS} (ours)"
         )
-    model = _empty_model(videodit_config(config, text_pad_len))
+    model = _empty_model(videodit_config(config, text_pad_len, pipeline_expand_timesteps(path)))
     checkpoint = SafetensorsCheckpoint(folder)
     names = _check_names(model, checkpoint.shapes, str(folder))
     return _fill(model, checkpoint.tensors(names), dtype)

@@ -361,7 +361,15 @@ def test_model_dims_checks_defaults_and_parameter_count():
             ModelDims(**{**dict(d=10, layers=2, ffn=40, heads=4), **bad})
     # per block: self-attention 4 d^2, cross-attention 4 d^2, FFN 2 d f
     assert TOY_DIMS.num_params == 2 * (4 * 100 + 4 * 100 + 2 * 10 * 40) == 3200
-    assert MODELS["wan-1.3b"].num_params == 30 * (8 * 1536**2 + 2 * 1536 * 8960)  # 1.39e9 without embeddings
+    # plus the patch embedding and output projection: 4 * (16 + 16) values in and out per token
+    assert MODELS["wan-1.3b"].num_params == 30 * (8 * 1536**2 + 2 * 1536 * 8960) + 128 * 1536  # 1.39e9
+    # Wan2.2 TI2V-5B: 48 channels in and out of (1, 2, 2) patches, 3x Wan2.1's patch values; the
+    # blocks plus patch layers are 4.91B of its 5.00B (text and time embeddings left out)
+    ti2v = MODELS["wan2.2-ti2v-5b"]
+    assert ti2v.patch_values == 4 * (48 + 48) == 384
+    assert ti2v.num_params == 30 * (8 * 3072**2 + 2 * 3072 * 14336) + 384 * 3072
+    linear = CostModel(ti2v, TOY)._lin_per_token
+    assert linear == 3 * (30 * (12 * 3072**2 + 4 * 3072 * 14336) + 2 * 3072 * 384)  # per token, training
 
 
 def test_activation_bytes_worked_by_hand():
@@ -473,10 +481,12 @@ def test_image_kv_is_priced_like_text_context():
     assert (i2v.image_tokens, flf2v.image_tokens, t2v.image_tokens) == (257, 514, 0)
     assert i2v.context_tokens == 512 + 257
     # per block the image K/V add 2 d^2 parameters
-    assert i2v.num_params - t2v.num_params == 40 * 2 * 5120**2
+    # (and the 20 extra input channels of (1, 2, 2) patches 80 values per token of patch embedding)
+    assert i2v.num_params - t2v.num_params == 40 * 2 * 5120**2 + 80 * 5120
     hw = Hardware.load("h100")
     priced = CostModel(i2v, hw)
-    as_text = CostModel(dataclasses.replace(t2v, text_tokens=512 + 257), hw)
+    # the same patch values: only the context may differ
+    as_text = CostModel(dataclasses.replace(t2v, text_tokens=512 + 257, patch_values=i2v.patch_values), hw)
     for lengths, cp in (([32760], 4), ([4096, 1024, 300], 1)):
         assert priced.micro_batch_time(lengths, cp) == as_text.micro_batch_time(lengths, cp)
         assert priced.micro_batch_time(lengths, cp) > CostModel(t2v, hw).micro_batch_time(lengths, cp)

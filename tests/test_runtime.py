@@ -87,6 +87,13 @@ CASES = {
         "model.overrides": "{num_layers: 2, patch_size: [1, 4, 4], in_channels: 7, out_channels: 3, "
         "image_dim: 12, added_kv_proj_dim: 128}",
     },
+    # Wan2.2 TI2V: per-token timesteps, every multi-frame clip image-to-video (frame 0 clean at t = 0,
+    # out of the loss); the clips' mode is routed with them and each CP shard finds its frame-0 tokens
+    "ti2v": {
+        "parallel.mode": "dynamic",
+        "model.overrides": "{num_layers: 2, patch_size: [1, 4, 4], expand_timesteps: true}",
+        "flow.clean_first_frame": 1.0,
+    },
 }
 CLIP = "clip"  # written into the run's root by the fixture
 

@@ -364,8 +364,9 @@ def test_folder_errors(tmp_path):
         load_pretrained(tmp_path / "nowhere")
     make_wan("heads3-d12-p122").save_pretrained(tmp_path / "p" / "transformer")
     (tmp_path / "p" / "model_index.json").write_text(json.dumps({"expand_timesteps": True}))
-    with pytest.raises(ValueError, match="per-token timesteps"):
-        load_pretrained(tmp_path / "p")
+    # a Wan2.2 TI2V pipeline loads, marked per-token from its model_index.json (also via transformer/)
+    assert load_pretrained(tmp_path / "p").config.expand_timesteps
+    assert load_pretrained(tmp_path / "p" / "transformer").config.expand_timesteps
     (tmp_path / "p" / "model_index.json").write_text(json.dumps({"transformer_2": ["diffusers", "X"]}))
     with pytest.raises(ValueError, match="two-expert"):
         load_pretrained(tmp_path / "p")

@@ -7,7 +7,7 @@ per rank, with N = sum L_i, n = N / c tokens per rank, d width, f FFN width, T c
 context tokens (text, plus image tokens for Wan I2V, whose add_k/add_v projections and attention cost
 what text k/v and text attention cost per token):
 
-    linear      3 * layers * (12 d^2 + 4 d f) * n            / (peak * eff_gemm(n))
+    linear      3 * (layers * (12 d^2 + 4 d f) + 2 d p) * n  / (peak * eff_gemm(n))   p: patch values in + out
     text k/v    3 * layers * 4 T d^2 * b                     / (peak * eff_gemm(T b))  every rank needs it
     attention   3.5 * layers * 4 d (L_i^2 + L_i T) / c       / (peak * eff_attn(L_i / c))   per clip, summed
     comm        Ulysses all-to-alls (8 per layer per step) over u ranks, ring K/V passes over r = c / u
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dit.flops import attention_flops, linear_flops_per_token, text_kv_flops
+from dit.flops import attention_flops, linear_flops_per_token, patch_flops_per_token, text_kv_flops
 from dit.sizes import MODEL_SIZES
 
 # Training multipliers (forward + backward over forward), see DESIGN.md "Costs".
@@ -136,10 +136,13 @@ class ModelDims:
     heads: int
     text_tokens: int = 512  # cross-attention text context length
     image_tokens: int = 0  # image tokens per clip of an image-conditioned model (Wan I2V: 257, FLF2V: 514)
+    # values per token into the patch embedding plus out of the output projection, pt*ph*pw*(in + out
+    # channels): Wan2.1 T2V 4*(16+16) = 128, I2V 4*(36+16) = 208, Wan2.2 TI2V-5B 4*(48+48) = 384
+    patch_values: int = 0
 
     def __post_init__(self):
         for f in fields(self):
-            may_be_zero = f.name in ("text_tokens", "image_tokens")
+            may_be_zero = f.name in ("text_tokens", "image_tokens", "patch_values")
             if int(getattr(self, f.name)) < 0 or (not may_be_zero and getattr(self, f.name) < 1):
                 raise ValueError(f"model dimension {f.name}={getattr(self, f.name)} must be positive")
 
@@ -150,10 +153,11 @@ class ModelDims:
 
     @property
     def num_params(self) -> int:
-        # self-attn 4d^2 + cross-attn 4d^2 (+ image K/V 2d^2) + FFN 2df per block; embeddings are
-        # negligible here.
+        # self-attn 4d^2 + cross-attn 4d^2 (+ image K/V 2d^2) + FFN 2df per block, plus the patch
+        # embedding and output projection; text and time embeddings are left out (~2%).
         cross = 6 if self.image_tokens else 4
-        return self.layers * ((4 + cross) * self.d * self.d + 2 * self.d * self.ffn)
+        blocks = self.layers * ((4 + cross) * self.d * self.d + 2 * self.d * self.ffn)
+        return blocks + self.patch_values * self.d
 
     @classmethod
     def from_config(cls, config, text_tokens: int = 512) -> ModelDims:
@@ -161,6 +165,10 @@ class ModelDims:
         ``attention_head_dim``, ``num_layers`` and ``ffn_dim``, as in ``dit.sizes.MODEL_SIZES``; with
         ``image_dim`` set, the image tokens (``pos_embed_seq_len``, else one CLIP image's 257)."""
         heads = config["num_attention_heads"]
+        patch = config.get("patch_size") or (1, 2, 2)
+        in_channels = config.get("in_channels") or 16
+        per_channel = patch[0] * patch[1] * patch[2]
+        patch_values = per_channel * (in_channels + (config.get("out_channels") or in_channels))
         image_tokens = 0
         if config.get("image_dim") is not None:
             image_tokens = config.get("pos_embed_seq_len") or CLIP_IMAGE_TOKENS
@@ -171,6 +179,7 @@ class ModelDims:
             heads=heads,
             text_tokens=text_tokens,
             image_tokens=image_tokens,
+            patch_values=patch_values,
         )
 
 
@@ -180,7 +189,7 @@ CLIP_IMAGE_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + the class 
 # captions to 512 umT5 tokens.
 MODELS: dict[str, ModelDims] = {
     name: ModelDims.from_config(MODEL_SIZES[name], text_tokens=512)
-    for name in ("wan-1.3b", "wan-14b", "wan-i2v-14b", "wan-flf2v-14b")
+    for name in ("wan-1.3b", "wan-14b", "wan-i2v-14b", "wan-flf2v-14b", "wan2.2-ti2v-5b")
 }
 
 
@@ -207,7 +216,8 @@ class CostModel:
         self._ulysses_calls, self._ring_passes = (4, 1) if forward_only else (8, 3)
         self._overhead_share = 1 / LINEAR_TRAIN if forward_only else 1.0
         d, f, T, layers = dims.d, dims.ffn, dims.context_tokens, dims.layers
-        self._lin_per_token = lin * layers * linear_flops_per_token(d, f)
+        patch = patch_flops_per_token(d, dims.patch_values)  # once per token, not per layer
+        self._lin_per_token = lin * (layers * linear_flops_per_token(d, f) + patch)
         self._text_per_clip = lin * layers * text_kv_flops(T, d)
         self._attn_coef = attn * layers * attention_flops(1, d)  # times (L^2 + L T)
 

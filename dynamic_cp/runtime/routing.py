@@ -68,6 +68,7 @@ class ClipHeader:
     condition_values: int = 0  # image-to-video: mask + image latent values per token (P*cc), else 0
     image_tokens: int = 0  # Wan I2V CLIP tokens m, else 0
     image_dim: int = 0
+    clean_first: bool = False  # Wan2.2 TI2V image-to-video clip (latent frame 0 clean)
 
     @property
     def numel(self) -> int:
@@ -90,6 +91,7 @@ def _header(sample_id: int, clip: TrainClip) -> ClipHeader:
         clip.text.shape[1],
         0 if clip.condition is None else clip.condition.shape[1],
         *((0, 0) if clip.image is None else clip.image.shape),
+        clip.clean_first,
     )
 
 
@@ -115,6 +117,7 @@ def _unflatten(h: ClipHeader, flat: torch.Tensor) -> TrainClip:
         text.view(nt, d).clone(),
         condition.view(n, pc).clone() if pc else None,
         image.view(m, e).clone() if m else None,
+        h.clean_first,
     )
 
 

@@ -44,7 +44,6 @@ import torch.distributed as dist
 
 from dit.sample_requests import SampleRequest
 from dit.sampling import (
-    branch_velocity,
     decode,
     denoise,
     prepare,
@@ -145,9 +144,7 @@ def run_placement(
         partner = other[ranks.index(rank)]
 
     def velocities(x, t):
-        v = branch_velocity(
-            model, x, t, prep.positions, texts, attention, token_range, prep.condition, prep.image_tokens
-        )  # (k*n/c, p)
+        v = prep.velocity(model, x, t, attention, token_range, texts)  # (k*n/c, p)
         if group is not None:
             v = gather_shards(v, group, info)  # (k*n, p)
         if cfg:
@@ -156,7 +153,7 @@ def run_placement(
         return (v[:n], v[n:]) if request.guided else (v, None)
 
     scheduler = request_scheduler(request, n, shift, prep.noise.device)
-    x = denoise(prep.noise, scheduler, velocities, request.guidance)
+    x = denoise(prep.noise, scheduler, velocities, request.guidance, prep.first_frame)
     if rank != placement.owner:
         return None
     return decode(x, prep.grid, tuple(model.config.patch_size), vae)
