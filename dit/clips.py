@@ -18,7 +18,16 @@ import torch
 
 from dit.attention import AttentionFn
 from dit.config import FlowConfig
-from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
+from dit.flow import (
+    add_noise,
+    clip_token_weights,
+    flow_loss,
+    model_timesteps,
+    sample_expert_sigma,
+    sample_sigmas,
+    shift_for_tokens,
+    shift_sigmas,
+)
 from dit.image_cond import ImageConditioning, image_condition, join_condition
 from dit.packing import grid_positions, local_seq_lens, patchify
 
@@ -132,15 +141,22 @@ def prepare_clip(
     caption_dropout: float,
     seed: int,
     step: int,
+    expert: tuple[str, float] | None = None,
 ) -> TrainClip:
+    """``expert``: (name, boundary_ratio) of a Wan2.2 A14B expert, whose sigma stays on its side of
+    the pipeline's switch (``dit.flow.sample_expert_sigma``); None draws from the whole range."""
     g = clip_generator(seed, step, sample["index"])
     drop = bool(torch.rand((), generator=g) < caption_dropout)
     latent, text = encoder.encode(sample, drop)
     x0 = patchify(latent, patch)
     grid = tuple(s // p for s, p in zip(latent.shape[1:], patch))
-    sigma = sample_sigmas(1, g, flow.timestep_sampling, flow.logit_mean, flow.logit_std)
     shift = flow.shift if flow.shift is not None else shift_for_tokens(x0.shape[0])
-    sigma = float(shift_sigmas(sigma, shift))
+    if expert is None:
+        sigma = sample_sigmas(1, g, flow.timestep_sampling, flow.logit_mean, flow.logit_std)
+        sigma = float(shift_sigmas(sigma, shift))
+    else:
+        mode, mean, std = flow.timestep_sampling, flow.logit_mean, flow.logit_std
+        sigma = sample_expert_sigma(g, mode, mean, std, float(shift), *expert)
     noise = torch.randn(x0.shape, generator=g).to(x0.device)
     clip = TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
     if encoder.conditioning is not None:
@@ -182,6 +198,8 @@ def micro_batch_loss(
         extra["image"] = torch.stack([c.image for c in clips])  # (b, m, image_dim)
     text = torch.cat([c.text for c in clips])
     text_lens = torch.tensor([c.text.shape[0] for c in clips])
-    pred = model(x_t, positions, local_lens, sigmas.to(x0.device) * 1000, text, text_lens, attention, **extra)
+    pred = model(
+        x_t, positions, local_lens, model_timesteps(sigmas).to(x0.device), text, text_lens, attention, **extra
+    )
     weights = clip_token_weights(local_lens, seq_lens, num_clips_global).to(x0.device)
     return flow_loss(pred, noise - x0, weights)

@@ -16,8 +16,9 @@ device and then reads one tensor at a time from the (possibly sharded) safetenso
 peak is the model plus one tensor; export writes one shard at a time.
 
 Image conditioning (Wan2.1 I2V/FLF2V: ``image_dim``, ``added_kv_proj_dim``, ``pos_embed_seq_len``)
-maps one to one as well. Wan extras with no counterpart here are refused with a ValueError: Wan2.2's
-per-token timesteps and two-expert pipelines.
+maps one to one as well. Wan2.2 A14B pipelines hold two Wan2.1-14B-shaped experts, ``transformer/``
+(high noise) and ``transformer_2/`` (low noise); ``expert`` picks one. Wan extras with no counterpart
+here are refused with a ValueError: Wan2.2 TI2V's per-token timesteps.
 """
 
 from __future__ import annotations
@@ -260,28 +261,47 @@ class SafetensorsCheckpoint:
                         yield key, f.get_tensor(key)
 
 
-def transformer_folder(path: str | Path) -> Path:
-    """A transformer folder (config.json + weights), or a pipeline folder with ``transformer/``."""
+# Wan2.2 A14B pipeline folders hold one expert per subfolder (``model.expert`` picks one).
+EXPERT_FOLDERS = {"high": "transformer", "low": "transformer_2"}
+
+
+def pipeline_index(path: str | Path) -> dict:
+    """A pipeline folder's model_index.json ({} when it has none)."""
+    index = Path(path) / "model_index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}
+
+
+def is_two_expert(index: Mapping) -> bool:
+    """A Wan2.2 A14B pipeline: a ``transformer_2`` component (high/low-noise experts)."""
+    return (index.get("transformer_2") or [None])[0] is not None
+
+
+def transformer_folder(path: str | Path, expert: str | None = None) -> Path:
+    """A transformer folder (config.json + weights), or a pipeline folder with ``transformer/`` (a
+    Wan2.2 A14B pipeline: ``expert``'s folder, ``transformer/`` for high, ``transformer_2/`` for low)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model.pretrained={path} does not exist; {DOWNLOAD_HINT}")
     if (path / "config.json").is_file():
         return path
     if (path / "transformer" / "config.json").is_file():
-        index = (
-            json.loads((path / "model_index.json").read_text())
-            if (path / "model_index.json").is_file()
-            else {}
-        )
+        index = pipeline_index(path)
         if index.get("expand_timesteps"):
             raise ValueError(
                 f"{path} is a Wan2.2 TI2V pipeline (expand_timesteps: per-token timesteps), which is not "
                 "supported; use a Wan2.1 text-to-video checkpoint"
             )
-        if (index.get("transformer_2") or [None])[0] is not None:
+        if is_two_expert(index):
+            if expert is None:
+                raise ValueError(
+                    f"{path} is a Wan2.2 two-expert pipeline; set model.expert=high (transformer/, high noise) "
+                    "or model.expert=low (transformer_2/, low noise) to train one expert"
+                )
+            return path / EXPERT_FOLDERS[expert]
+        if expert is not None:
             raise ValueError(
-                f"{path} is a Wan2.2 two-expert pipeline; pass {path / 'transformer'} (high-noise expert) or "
-                f"{path / 'transformer_2'} (low-noise expert) explicitly, knowing each covers part of the sigmas"
+                f"model.expert={expert}: {path} has one transformer, not Wan2.2's two experts; drop "
+                "model.expert or point model.pretrained at a Wan2.2 A14B pipeline folder"
             )
         return path / "transformer"
     if (path / "ema" / "config.json").is_file() or (path / "model" / "config.json").is_file():
@@ -290,14 +310,18 @@ def transformer_folder(path: str | Path) -> Path:
 
 
 def load_pretrained(
-    path: str | Path, dtype: torch.dtype = torch.float32, text_pad_len: int | None = WAN_TEXT_LEN
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    text_pad_len: int | None = WAN_TEXT_LEN,
+    expert: str | None = None,
 ) -> VideoDiT:
     """VideoDiT from a folder holding our save_pretrained output or a diffusers Wan transformer.
 
-    A Wan pipeline folder (with ``transformer/``) works too. Our own format keeps its saved config
-    (``text_pad_len`` included); ``text_pad_len`` here applies to Wan checkpoints.
+    A Wan pipeline folder (with ``transformer/``) works too; of a Wan2.2 A14B one, ``expert``'s
+    transformer. Our own format keeps its saved config (``text_pad_len`` included); ``text_pad_len``
+    here applies to Wan checkpoints.
     """
-    folder = transformer_folder(path)
+    folder = transformer_folder(path, expert)
     config = json.loads((folder / "config.json").read_text())
     cls = config.get("_class_name")
     if cls == OUR_CLASS:
