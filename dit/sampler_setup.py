@@ -98,13 +98,13 @@ def load_pretrained_sampler(
     folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512
 ) -> Sampler:
     """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
-    (``dit/wan_import.py``), its UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan
+    (``dit/wan_import.py``; a Wan2.2 A14B folder's two experts as one ``dit.experts.ExpertPair``), its UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan
     VAE (``data/vaes.py``) and, when the transformer has ``image_dim``, its CLIP ``image_encoder/``
     and ``image_processor/`` (``data/image_encoders.py``)."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae
     from dit.sampling import data_channels
-    from dit.wan_import import load_pretrained
+    from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
 
     path = Path(folder)
     if not path.is_dir():
@@ -117,8 +117,21 @@ def load_pretrained_sampler(
             f"--pretrained {folder} lacks {', '.join(p + '/' for p in missing)}; pass a whole diffusers Wan "
             "pipeline folder (transformer/, vae/, text_encoder/, tokenizer/), or a training run with --checkpoint"
         )
-    model = load_pretrained(path).to(device).eval()
-    add_lora(model, lora, lora_scale)
+    index = pipeline_index(path)
+    if is_two_expert(index) and index.get("boundary_ratio") is not None:
+        # Wan2.2 A14B: transformer/ above the switch, transformer_2/ below (dit/experts.py)
+        from dit.experts import ExpertPair
+
+        if lora is not None:
+            raise ValueError(
+                f"--lora on {folder}, a two-expert (Wan2.2 A14B) folder, is not supported yet: each expert takes "
+                "its own LoRA; merge it into that expert's transformer folder first"
+            )
+        high, low = (load_pretrained(path, expert=e) for e in ("high", "low"))
+        model = ExpertPair(high, low, index["boundary_ratio"]).to(device).eval()
+    else:  # diffusers runs transformer/ alone when a pipeline has no boundary_ratio
+        model = load_pretrained(path, expert="high" if is_two_expert(index) else None).to(device).eval()
+        add_lora(model, lora, lora_scale)
     text_encoder = load_text_encoder("umt5", path, max_length=text_max_length, device=str(device))
     if text_encoder.dim != model.config.text_dim:
         raise ValueError(

@@ -32,6 +32,7 @@ from dit.sampling import (
     branch_velocity,
     decode,
     denoise,
+    guidance_at,
     prepare,
     request_grid,
     request_scheduler,
@@ -138,7 +139,7 @@ def run_placement(
         return (v[:n], v[n:]) if request.guided else (v, None)
 
     scheduler = request_scheduler(request, n, shift, prep.noise.device)
-    x = denoise(prep.noise, scheduler, velocities, request.guidance)
+    x = denoise(prep.noise, scheduler, velocities, guidance_at(model, request))
     if rank != placement.owner:
         return None
     return decode(x, prep.grid, tuple(model.config.patch_size), vae)
