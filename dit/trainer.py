@@ -73,6 +73,12 @@ class Trainer:
                 "leave no whole checkpoint to resume; keep 2 or more"
             )
         self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
+        if self.expert and cfg.train.sample_every:
+            raise ValueError(
+                f"train.sample_every={cfg.train.sample_every} with model.expert={self.expert[0]}: validation "
+                "clips would run this one expert at every step; set train.sample_every=0 and sample both "
+                "experts with sample.py --pretrained"
+            )
         self.val_sigmas = self._val_sigmas()
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)

@@ -295,7 +295,8 @@ def transformer_folder(path: str | Path, expert: str | None = None) -> Path:
             if expert is None:
                 raise ValueError(
                     f"{path} is a Wan2.2 two-expert pipeline; set model.expert=high (transformer/, high noise) "
-                    "or model.expert=low (transformer_2/, low noise) to train one expert"
+                    "or model.expert=low (transformer_2/, low noise) to train one expert (--expert for "
+                    "python -m dit.wan_import import)"
                 )
             return path / EXPERT_FOLDERS[expert]
         if expert is not None:
@@ -418,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--wan", required=True, help="Wan pipeline or transformer folder")
     imp.add_argument("--out", required=True, help="new folder for VideoDiT.save_pretrained")
     imp.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    imp.add_argument(
+        "--expert", choices=("high", "low"), default=None, help="of a Wan2.2 A14B folder: which expert"
+    )
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -434,7 +438,7 @@ def _run(args: argparse.Namespace) -> None:
         out = export_wan(model, args.out, dtype, int(args.max_shard_gb * 2**30))
         print(f"wrote {out} ({WAN_CLASS}); load it with WanTransformer3DModel.from_pretrained('{out}')")
     else:
-        model = load_pretrained(args.wan, DTYPES[args.dtype])
+        model = load_pretrained(args.wan, DTYPES[args.dtype], expert=args.expert)
         model.save_pretrained(args.out)
         print(f"wrote {args.out} ({OUR_CLASS}); fine-tune with model.pretrained={args.out}")
 

@@ -106,6 +106,14 @@ def test_an_expert_loads_from_the_pipeline_folder(tmp_path):
         assert expert_of(cfg) == (expert, 0.875)  # the switch from model_index.json
     with pytest.raises(ValueError, match="two-expert pipeline; set model.expert=high .* or model.expert=low"):
         load_pretrained(root)
+    from dit.wan_import import main
+
+    assert main(["import", "--wan", str(root), "--out", str(tmp_path / "ours"), "--expert", "low"]) == 0
+    got, want = (
+        load_pretrained(tmp_path / "ours").state_dict(),
+        load_pretrained(root, expert="low").state_dict(),
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(ValueError, match=r"model.boundary_ratio=0.9 but .* switches experts at 0.875; drop"):
         expert_of(ModelConfig(pretrained=str(root), expert="low", boundary_ratio=0.9))
     random_expert(1).save_pretrained(tmp_path / "one" / "transformer")

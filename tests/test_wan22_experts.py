@@ -103,6 +103,11 @@ def test_expert_config_errors_are_one_line(tmp_path):
         ValueError, match=r"flow.val_sigmas=\[0.1, 0.5\] has no sigma on the high expert's side"
     ):
         trainer(tmp_path, "model.expert=high", "model.boundary_ratio=0.875", "flow.val_sigmas=[0.1, 0.5]")
+    with pytest.raises(
+        ValueError, match="train.sample_every=5 with model.expert=high: .* set train.sample_every=0"
+    ):
+        trainer(tmp_path, "model.expert=high", "model.boundary_ratio=0.875", "train.sample_every=5",
+                "train.sample_prompts=[a]")  # fmt: skip
 
 
 def test_validation_keeps_the_experts_sigmas(tmp_path):
