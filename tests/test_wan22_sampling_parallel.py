@@ -79,3 +79,25 @@ def test_two_expert_requests_on_2_ranks_give_the_one_process_clips():
     for index, video in owned.items():
         diff = float((video - refs[index]).abs().max())
         assert diff <= TOL, f"request {index} differs from one process by {diff:.2e}"
+
+
+def test_the_memory_check_prices_both_resident_experts():
+    """Memory for one expert's bf16 weights and 40 tokens: a 30-token request fits one model but not
+    the pair, whose idle expert stays resident (planted: pricing one expert: no error)."""
+    import pytest
+
+    from dynamic_cp.planning.cost_model import BYTES_BF16
+    from dynamic_cp.planning.sampling_planner import sampling_token_cap
+    from dynamic_cp.runtime.sampling import check_memory
+
+    model = pair()
+    dims = cost_model(model).dims
+    per_token = (16 * dims.d + 2 * dims.ffn) * BYTES_BF16
+    memory = (BYTES_BF16 * dims.num_params + 40.5 * per_token) / 0.9
+    assert sampling_token_cap(dims, memory) == 40
+    request = [
+        SampleRequest(0, "a cat", 2, 6, 10, steps=3, guidance=1.0, seed=1)
+    ]  # 2x3x5 = 30 tokens, unguided
+    check_memory(model.high, None, request, memory)
+    with pytest.raises(ValueError, match="lower its frames, height or width"):
+        check_memory(model, None, request, memory)

@@ -40,7 +40,7 @@ from dit.sampling import (
 )
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.attention.sharding import gather_shards
-from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+from dynamic_cp.planning.cost_model import BYTES_BF16, CostModel, Hardware, ModelDims
 from dynamic_cp.planning.sampling_planner import (
     Placement,
     SamplingJob,
@@ -176,6 +176,9 @@ def plan_queue(
     cfg_parallel: bool,
 ) -> SamplingPlan:
     jobs = [SamplingJob(request_tokens(model, vae, r), r.steps, r.guided, r.label()) for r in requests]
+    if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
+        # two experts (dit/experts.py) stay resident while one runs: the idle one's bf16 weights too
+        memory_bytes -= BYTES_BF16 * cost.dims.num_params
     cap = None if memory_bytes is None else sampling_token_cap(cost.dims, memory_bytes)
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel)
 
