@@ -40,7 +40,8 @@ def load_checkpoint_sampler(
             f"{weights} does not exist; this checkpoint has no {weights_kind} weights, try --weights model"
         )
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
-    model = load_sampling_model(cfg, weights, lora, lora_scale).to(device).eval()
+    model = load_sampling_model(cfg, weights, lora, lora_scale)
+    model = with_other_expert(cfg, model).to(device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
     vae = build_vae(cfg.data, device)
     image_encoder = None
@@ -74,6 +75,23 @@ def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float)
         model = VideoDiT.from_pretrained(weights)
     add_lora(model, lora, lora_scale)
     return model
+
+
+def with_other_expert(cfg, model):
+    """A run that trained one Wan2.2 A14B expert (``model.expert``) of a two-expert ``model.pretrained``
+    folder samples with that folder's other expert beside it (``dit.experts.ExpertPair``, switching at
+    the run's boundary); any other run's model is returned as it is."""
+    from dit.setup import expert_of
+    from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
+
+    expert = expert_of(cfg.model)
+    if expert is None or not cfg.model.pretrained or not is_two_expert(pipeline_index(cfg.model.pretrained)):
+        return model
+    from dit.experts import ExpertPair
+
+    name, ratio = expert
+    other = load_pretrained(cfg.model.pretrained, expert="low" if name == "high" else "high")
+    return ExpertPair(model, other, ratio) if name == "high" else ExpertPair(other, model, ratio)
 
 
 def add_lora(model, lora: str | None, lora_scale: float) -> None:

@@ -6,6 +6,9 @@ expert left without adapters (musubi-tuner #621, DiffSynth #750: LoRAs with no e
 
 Planted and caught: saving the adapters under a ``transformer_2.`` prefix (what one might write for
 the low expert): diffusers finds none of its layers and the load fails.
+
+``sample.py --checkpoint`` of that run samples its trained low expert beside the folder's high one
+(planted: the trained expert put in the high slot: the high expert's weights differ).
 """
 
 from __future__ import annotations
@@ -53,6 +56,18 @@ def test_expert_lora_loads_into_its_transformer_of_the_pipeline(tmp_path):
             theirs = loaded[name.replace(".lora_B.default.", ".lora_B.default_0.")]
             assert torch.equal(theirs.detach().reshape(value.shape), value), name  # Conv3d: (D, r, 1, 1, 1)
     assert WAN["in_channels"] == target.config.in_channels
+
+    # sample.py --checkpoint of the run: its low expert (base + adapters) beside the folder's high one
+    from dit.experts import ExpertPair
+    from dit.sampler_setup import load_checkpoint_sampler
+
+    sampler = load_checkpoint_sampler(str(tmp_path / "run"), "ema", None, 1.0, "cpu")
+    assert isinstance(sampler.model, ExpertPair) and sampler.model.boundary_ratio == 0.875
+    high_want = make_wan(1).state_dict()
+    high_got = sampler.model.high.state_dict()
+    assert all(torch.equal(high_got[k], high_want[k]) for k in high_want if k != "patch_embedding.weight")
+    lora_merged = sampler.model.low.state_dict()["blocks.0.attn1.to_q.weight"]
+    assert not torch.equal(lora_merged, make_wan(2).state_dict()["blocks.0.attn1.to_q.weight"])
 
 
 def load_logging(pipe, path: str, **kwargs) -> list[str]:
