@@ -201,16 +201,17 @@ def test_sample_cli_on_a_two_expert_folder(tmp_path, capsys):
     assert len(err) == 1 and "two-expert (Wan2.2 A14B) folder, is not supported yet" in err[0], err
 
 
-def test_a14b_config_dry_run_prints_parameters_per_expert_and_memory(capsys):
-    """The shipped recipe: 14.29B for its one expert, its side of the switch, and the LoRA memory of a
+@pytest.mark.parametrize("task, switch", [("t2v", 875), ("i2v", 900)])
+def test_a14b_config_dry_run_prints_parameters_per_expert_and_memory(capsys, task, switch):
+    """The shipped recipes: 14.29B for its one expert, its side of the switch, and the LoRA memory of a
     frozen bf16 base (28.7 GB of weights; planted: pricing it as full training, 57.2 fp32, fails)."""
     from pathlib import Path
 
     import train
 
-    config = Path(__file__).resolve().parents[1] / "configs" / "wan2.2-t2v-a14b-lora.yaml"
+    config = Path(__file__).resolve().parents[1] / "configs" / f"wan2.2-{task}-a14b-lora.yaml"
     assert train.main(["--config", str(config), "--dry-run"]) == 1  # the /path/to placeholders are missing
     out = capsys.readouterr().out
-    assert "model: 14.29B parameters" in out and "model.expert=high (t >= 875)" in out
+    assert "model: 14.29B parameters" in out and f"model.expert=high (t >= {switch})" in out
     assert "memory per GPU" in out and "weights 28.7," in out
-    assert "model.pretrained=/path/to/Wan2.2-T2V-A14B-Diffusers does not exist" in out
+    assert f"model.pretrained=/path/to/Wan2.2-{task.upper()}-A14B-Diffusers does not exist" in out
