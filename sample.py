@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 8 sample.py --pretrained Wan2.1-T2V-14B-Diffusers --prompts-file queue.jsonl
 
 Loads the EMA weights of a run by default. ``--prompts-file`` takes plain text (one prompt a line) or
-a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width, steps, guidance, seed
+a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width, steps, guidance,
+guidance_2 (a Wan2.2 A14B folder's low-noise expert: ``--guidance-2``), seed
 and negative_prompt, and image / last_image for image-to-video models (the flags give the rest;
 ``--image`` and ``--last-image`` give a first and last frame to every request). Request i uses its line's seed, else --seed + i: the
 same request gives the same clip in any queue, on one process or many. Under torchrun a planner
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="Euler steps")
     parser.add_argument(
         "--guidance", type=float, default=4.0, help="classifier-free guidance scale; 1 disables"
+    )
+    parser.add_argument(
+        "--guidance-2",
+        type=float,
+        default=None,
+        help="guidance of a two-expert (Wan2.2 A14B) folder's low-noise expert; default: --guidance",
     )
     parser.add_argument(
         "--shift",
@@ -118,7 +125,7 @@ def run(args) -> int:
         raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
     defaults = dict(
         frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
-        seed=args.seed, negative_prompt=args.negative_prompt, image=args.image or "",
+        guidance_2=args.guidance_2, seed=args.seed, negative_prompt=args.negative_prompt, image=args.image or "",
         last_image=args.last_image or "",
     )  # fmt: skip
     requests = build_queue(args.prompt, args.prompts_file, defaults)

@@ -18,7 +18,16 @@ import torch
 
 from dit.attention import AttentionFn
 from dit.config import FlowConfig
-from dit.flow import add_noise, clip_token_weights, flow_loss, sample_sigmas, shift_for_tokens, shift_sigmas
+from dit.flow import (
+    add_noise,
+    clip_token_weights,
+    flow_loss,
+    model_timesteps,
+    sample_expert_sigma,
+    sample_sigmas,
+    shift_for_tokens,
+    shift_sigmas,
+)
 from dit.image_cond import ImageConditioning, condition_mask, image_condition, join_condition
 from dit.packing import grid_positions, local_seq_lens, patchify
 from dit.ti2v import check_first_frame_patch, first_frame_tokens, replace_first_frame, token_timesteps
@@ -139,15 +148,22 @@ def prepare_clip(
     caption_dropout: float,
     seed: int,
     step: int,
+    expert: tuple[str, float] | None = None,
 ) -> TrainClip:
+    """``expert``: (name, boundary_ratio) of a Wan2.2 A14B expert, whose sigma stays on its side of
+    the pipeline's switch (``dit.flow.sample_expert_sigma``); None draws from the whole range."""
     g = clip_generator(seed, step, sample["index"])
     drop = bool(torch.rand((), generator=g) < caption_dropout)
     latent, text = encoder.encode(sample, drop)
     x0 = patchify(latent, patch)
     grid = tuple(s // p for s, p in zip(latent.shape[1:], patch))
-    sigma = sample_sigmas(1, g, flow.timestep_sampling, flow.logit_mean, flow.logit_std)
     shift = flow.shift if flow.shift is not None else shift_for_tokens(x0.shape[0])
-    sigma = float(shift_sigmas(sigma, shift))
+    if expert is None:
+        sigma = sample_sigmas(1, g, flow.timestep_sampling, flow.logit_mean, flow.logit_std)
+        sigma = float(shift_sigmas(sigma, shift))
+    else:
+        mode, mean, std = flow.timestep_sampling, flow.logit_mean, flow.logit_std
+        sigma = sample_expert_sigma(g, mode, mean, std, float(shift), *expert)
     noise = torch.randn(x0.shape, generator=g).to(x0.device)
     clip = TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
     # drawn last and only when asked for, so text-to-video runs keep their random stream; a one-frame
@@ -191,7 +207,7 @@ def micro_batch_loss(
         clean_first = torch.tensor([c.clean_first for c in clips])
         clean = first_frame_tokens(positions, local_lens, clean_first)  # (n,) this shard's frame-0 tokens
         x_t = replace_first_frame(x_t, x0, clean)
-        extra["token_timesteps"] = token_timesteps(sigmas.to(x0.device) * 1000, local_lens, clean)
+        extra["token_timesteps"] = token_timesteps(model_timesteps(sigmas).to(x0.device), local_lens, clean)
         loss_lens = torch.tensor(
             [c.num_tokens - int((c.positions[:, 0] == 0).sum()) * c.clean_first for c in clips]
         )
@@ -204,7 +220,8 @@ def micro_batch_loss(
         extra["image"] = torch.stack([c.image for c in clips])  # (b, m, image_dim)
     text = torch.cat([c.text for c in clips])
     text_lens = torch.tensor([c.text.shape[0] for c in clips])
-    pred = model(x_t, positions, local_lens, sigmas.to(x0.device) * 1000, text, text_lens, attention, **extra)
+    timesteps = model_timesteps(sigmas).to(x0.device)  # (b,)
+    pred = model(x_t, positions, local_lens, timesteps, text, text_lens, attention, **extra)
     weights = clip_token_weights(local_lens, loss_lens, num_clips_global).to(x0.device)
     if clean is not None:
         weights = weights.masked_fill(clean, 0.0)

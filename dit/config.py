@@ -49,9 +49,32 @@ class ModelConfig:
     lora_init: str | None = None  # a diffusers-format Wan LoRA file or folder to continue training from
     # torch.compile each transformer block (dynamic shapes; attention stays eager): dit/compile.py
     compile: bool = False
+    # Wan2.2 A14B: train one expert, 'high' (the pipeline's transformer/, t >= boundary_ratio * 1000)
+    # or 'low' (transformer_2/, below); each clip's timestep is drawn on its side. None = one model
+    expert: str | None = None
+    # the expert switch on the shifted schedule (0.875 T2V-A14B, 0.9 I2V-A14B); None = the
+    # model_index.json of model.pretrained
+    boundary_ratio: float | None = None
 
     def __post_init__(self):
+        from dit.flow import EXPERTS
         from dit.sizes import MODEL_SIZES
+
+        if self.expert is not None and self.expert not in EXPERTS:
+            raise ValueError(
+                f"model.expert={self.expert!r} is not an expert; choose 'high' (transformer/, high noise) or "
+                "'low' (transformer_2/, low noise), or null for a one-model checkpoint"
+            )
+        if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
+            raise ValueError(
+                f"model.boundary_ratio={self.boundary_ratio} must be in (0, 1), e.g. 0.875 (Wan2.2 T2V-A14B) "
+                "or 0.9 (I2V-A14B)"
+            )
+        if self.boundary_ratio is not None and self.expert is None:
+            raise ValueError(
+                f"model.boundary_ratio={self.boundary_ratio} splits the timesteps between two experts; set "
+                "model.expert=high or low too (or drop model.boundary_ratio)"
+            )
 
         if self.size not in MODEL_SIZES:
             raise ValueError(f"model.size={self.size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")

@@ -74,3 +74,65 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, token_weights: torch.Ten
     """Sum over tokens of weight * mean squared error over patch values. pred, target: (n, p)."""
     per_token = (pred.float() - target.float()).pow(2).mean(dim=1)
     return (per_token * token_weights).sum()
+
+
+# ----------------------------------------------------------------------------- Wan2.2 A14B experts
+# WanPipeline / WanImageToVideoPipeline (diffusers) run `transformer` (the high-noise expert) while the
+# scheduler's timestep t >= boundary_ratio * num_train_timesteps (1000) and `transformer_2` (low) below.
+# The scheduler's t is 1000 x the *shifted* sigma, so an expert's training range is a range of shifted
+# sigmas: [b, 1) for high, (0, b) for low. Splitting the unshifted draw at b instead moves the switch
+# to shift(b), e.g. 0.988 at shift 12 and b = 0.875 (maxdiffusion #470).
+
+EXPERTS = ("high", "low")
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def model_timesteps(sigmas) -> torch.Tensor:
+    """(b,) float32 timesteps the model sees for ``sigmas``: 1000 * sigma in float32, as
+    ``dit.clips.micro_batch_loss`` feeds them (and the pipeline's scheduler holds them)."""
+    return torch.as_tensor(sigmas, dtype=torch.float32) * NUM_TRAIN_TIMESTEPS
+
+
+def on_expert_side(timesteps: torch.Tensor, expert: str, boundary_ratio: float) -> torch.Tensor:
+    """(b,) bool: the pipeline would run ``expert`` at these timesteps (its own test, t >= b * 1000)."""
+    above = timesteps >= boundary_ratio * NUM_TRAIN_TIMESTEPS
+    return above if expert == "high" else ~above
+
+
+def unshift_sigma(sigma: float, shift: float) -> float:
+    """The inverse of ``shift_sigmas``: the unshifted u with shift * u / (1 + (shift - 1) u) = sigma."""
+    return sigma / (shift - (shift - 1) * sigma)
+
+
+def sample_sigmas_between(
+    num: int, generator: torch.Generator, mode: str, mean: float, std: float, lo: float, hi: float
+) -> torch.Tensor:
+    """(num,) sigmas of ``sample_sigmas``' distribution restricted to [lo, hi], by its inverse CDF: one
+    uniform draw per sigma wherever the range lies (no rejection loop, however thin the range)."""
+    r = torch.rand(num, generator=generator, dtype=torch.float64)
+    if mode == "uniform":
+        lo, hi = max(lo, 1e-5), min(hi, 1 - 1e-5)
+        return (lo + (hi - lo) * r).float()
+    if mode != "logit_normal":
+        raise ValueError(f"flow.timestep_sampling={mode!r} is not supported; use 'logit_normal' or 'uniform'")
+    z = torch.tensor([lo, hi], dtype=torch.float64).logit()  # +-inf at 0 and 1: ndtr gives 0 and 1
+    p_lo, p_hi = torch.special.ndtr((z - mean) / std)
+    return torch.sigmoid(mean + std * torch.special.ndtri(p_lo + (p_hi - p_lo) * r)).float()
+
+
+def sample_expert_sigma(
+    generator: torch.Generator, mode: str, mean: float, std: float, shift: float, expert: str, boundary: float
+) -> float:
+    """One *shifted* sigma on ``expert``'s side of the pipeline's switch at ``boundary`` (its
+    boundary_ratio): the flow distribution cut at the unshifted point that the shift carries onto b."""
+    u_b = unshift_sigma(boundary, shift)
+    lo, hi = (u_b, 1.0) if expert == "high" else (0.0, u_b)
+    u = sample_sigmas_between(1, generator, mode, mean, std, lo, hi)
+    sigma = shift_sigmas(u.double(), shift).float()  # (1,) float32, as the clip's timestep will be
+    # the cut is exact in real numbers; a float32 rounding can still put 1000 * sigma a hair across b
+    toward = torch.tensor(1.0 if expert == "high" else 0.0)
+    for _ in range(64):
+        if bool(on_expert_side(model_timesteps(sigma), expert, boundary).all()):
+            return float(sigma)
+        sigma = torch.nextafter(sigma, toward)
+    raise AssertionError(f"no float32 sigma on the {expert} side of {boundary}")  # b in (0, 1) has one

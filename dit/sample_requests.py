@@ -3,7 +3,8 @@
     requests = build_queue(["a red ball"], "queue.jsonl", defaults)
 
 A prompts file is plain text (one prompt a line), or ``.jsonl`` / ``.csv`` whose lines may each set
-``prompt``, ``frames``, ``height``, ``width``, ``steps``, ``guidance``, ``seed``,
+``prompt``, ``frames``, ``height``, ``width``, ``steps``, ``guidance``, ``guidance_2`` (two-expert
+Wan2.2 A14B models: the low-noise expert's guidance), ``seed``,
 ``negative_prompt``, and for image-to-video models ``image`` and ``last_image`` (paths of PNG/JPEG
 files); a field a line leaves out takes the command line's value (``defaults``). A
 request's seed is its line's ``seed``, else the global seed plus its index in the queue, so its
@@ -27,6 +28,7 @@ FIELDS = {
     "width": int,
     "steps": int,
     "guidance": float,
+    "guidance_2": float,
     "seed": int,
     "negative_prompt": str,
     "image": str,
@@ -50,11 +52,13 @@ class SampleRequest:
     image: str = ""  # path of the first frame (image-to-video models); "" for none
     last_image: str = ""  # path of the last frame (FLF2V models)
     where: str = ""  # "queue.jsonl line 3" or "--prompt 1": what error messages name
+    # guidance where a two-expert model (Wan2.2 A14B) runs its low-noise expert; None = guidance
+    guidance_2: float | None = None
 
     @property
     def guided(self) -> bool:
         """Classifier-free guidance runs an unconditional branch; a scale of 1 does not need it."""
-        return self.guidance != 1.0
+        return self.guidance != 1.0 or self.guidance_2 not in (None, 1.0)
 
     def label(self) -> str:
         return self.where or f"request {self.index}"
@@ -63,6 +67,8 @@ class SampleRequest:
         """Six hex digits that change with anything that changes the clip (``extra``: the model and
         output settings), so a rerun skips only clips it would write identically."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("index", "where")}
+        if fields["guidance_2"] is None:  # the keys of clips sampled before guidance_2 existed
+            del fields["guidance_2"]
         for name in ("image", "last_image"):  # the frames' bytes, not only their names
             if fields[name] and Path(fields[name]).is_file():
                 fields[name] += "@" + hashlib.sha256(Path(fields[name]).read_bytes()).hexdigest()

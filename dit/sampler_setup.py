@@ -41,7 +41,8 @@ def load_checkpoint_sampler(
             f"{weights} does not exist; this checkpoint has no {weights_kind} weights, try --weights model"
         )
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
-    model = load_sampling_model(cfg, weights, lora, lora_scale).to(model_device or device).eval()
+    model = load_sampling_model(cfg, weights, lora, lora_scale)
+    model = with_other_expert(cfg, model).to(model_device or device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
     vae = build_vae(cfg.data, device)
     image_encoder = None
@@ -77,6 +78,23 @@ def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float)
     return model
 
 
+def with_other_expert(cfg, model):
+    """A run that trained one Wan2.2 A14B expert (``model.expert``) of a two-expert ``model.pretrained``
+    folder samples with that folder's other expert beside it (``dit.experts.ExpertPair``, switching at
+    the run's boundary); any other run's model is returned as it is."""
+    from dit.setup import expert_of
+    from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
+
+    expert = expert_of(cfg.model)
+    if expert is None or not cfg.model.pretrained or not is_two_expert(pipeline_index(cfg.model.pretrained)):
+        return model
+    from dit.experts import ExpertPair
+
+    name, ratio = expert
+    other = load_pretrained(cfg.model.pretrained, expert="low" if name == "high" else "high")
+    return ExpertPair(model, other, ratio) if name == "high" else ExpertPair(other, model, ratio)
+
+
 def add_lora(model, lora: str | None, lora_scale: float) -> None:
     if lora is not None:
         from dit import lora as lora_lib
@@ -99,14 +117,14 @@ def load_pretrained_sampler(
     folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512, model_device=None
 ) -> Sampler:
     """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
-    (``dit/wan_import.py``), its UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan
-    VAE (``data/vaes.py``) and, when the transformer has ``image_dim``, its CLIP ``image_encoder/``
+    (``dit/wan_import.py``; a Wan2.2 A14B folder's two experts as one ``dit.experts.ExpertPair``), its
+    UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan VAE (``data/vaes.py``) and, when the transformer has ``image_dim``, its CLIP ``image_encoder/``
     and ``image_processor/`` (``data/image_encoders.py``). ``model_device``: where the DiT goes
     (default ``device``; the CPU when it is sharded next)."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae, wan_vae_kind
     from dit.sampling import data_channels
-    from dit.wan_import import load_pretrained
+    from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
 
     path = Path(folder)
     if not path.is_dir():
@@ -119,8 +137,22 @@ def load_pretrained_sampler(
             f"--pretrained {folder} lacks {', '.join(p + '/' for p in missing)}; pass a whole diffusers Wan "
             "pipeline folder (transformer/, vae/, text_encoder/, tokenizer/), or a training run with --checkpoint"
         )
-    model = load_pretrained(path).to(model_device or device).eval()
-    add_lora(model, lora, lora_scale)
+    index = pipeline_index(path)
+    if is_two_expert(index) and index.get("boundary_ratio") is not None:
+        # Wan2.2 A14B: transformer/ above the switch, transformer_2/ below (dit/experts.py)
+        from dit.experts import ExpertPair
+
+        if lora is not None:
+            raise ValueError(
+                f"--lora on {folder}, a two-expert (Wan2.2 A14B) folder, is not supported yet: each expert takes "
+                "its own LoRA; merge it into that expert's transformer folder first"
+            )
+        high, low = (load_pretrained(path, expert=e) for e in ("high", "low"))
+        model = ExpertPair(high, low, index["boundary_ratio"]).to(model_device or device).eval()
+    else:  # diffusers runs transformer/ alone when a pipeline has no boundary_ratio
+        model = load_pretrained(path, expert="high" if is_two_expert(index) else None)
+        model = model.to(model_device or device).eval()
+        add_lora(model, lora, lora_scale)
     text_encoder = load_text_encoder("umt5", path, max_length=text_max_length, device=str(device))
     if text_encoder.dim != model.config.text_dim:
         raise ValueError(

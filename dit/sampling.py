@@ -133,18 +133,31 @@ def denoise(
     x: torch.Tensor,
     scheduler,
     velocities: Velocities,
-    guidance: float,
+    guidance: float | Callable[[torch.Tensor], float],
     first_frame: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Euler steps from noise ``x`` (n, p); ``velocities`` runs the model wherever it runs.
+    ``guidance``: a scale, or t -> the scale at timestep t (``guidance_at``).
 
     ``first_frame`` (Wan2.2 TI2V image-to-video): (image latent tokens (n, p), clean (n,)). As
     diffusers' pipeline does, the model sees the image latent on the clean tokens at every step while
     the scheduler steps the whole latent, and the result carries the image latent there."""
     given = (lambda v: v) if first_frame is None else (lambda v: replace_first_frame(v, *first_frame))
     for t in scheduler.timesteps:
-        x = scheduler.step(cfg_mix(*velocities(given(x), t), guidance), t, x).prev_sample
+        scale = guidance(t) if callable(guidance) else guidance
+        x = scheduler.step(cfg_mix(*velocities(given(x), t), scale), t, x).prev_sample
     return given(x)
+
+
+def guidance_at(model, request: SampleRequest) -> float | Callable[[torch.Tensor], float]:
+    """The request's guidance: of a two-expert model (``dit.experts.ExpertPair``), ``guidance_2``
+    where the low expert runs, as WanPipeline's guidance_scale_2 (None: ``guidance`` throughout)."""
+    ratio = getattr(model, "boundary_ratio", None)
+    if ratio is None or request.guidance_2 is None:
+        return request.guidance
+    from dit.flow import on_expert_side
+
+    return lambda t: request.guidance if bool(on_expert_side(t, "high", ratio)) else request.guidance_2
 
 
 def decode(x: torch.Tensor, grid, patch, vae) -> torch.Tensor:
@@ -350,7 +363,7 @@ def sample_request(
         return (v[: x.shape[0]], v[x.shape[0] :]) if request.guided else (v, None)
 
     scheduler = request_scheduler(request, prep.num_tokens, shift, prep.noise.device)
-    x = denoise(prep.noise, scheduler, velocities, request.guidance, prep.first_frame)
+    x = denoise(prep.noise, scheduler, velocities, guidance_at(model, request), prep.first_frame)
     patch = tuple(model.config.patch_size)
     if return_latents:
         return unpatchify(x, prep.grid, patch).cpu()  # (c, f, h, w)
@@ -376,6 +389,7 @@ def generate(
     image_encoder=None,
     noise: torch.Tensor | None = None,
     return_latents: bool = False,
+    guidance_2: float | None = None,
 ) -> list[torch.Tensor]:
     """-> one (3, f, h, w) video in [-1, 1] per prompt; prompt i uses seed ``seed + i``.
     ``vae`` None means the model works in pixels.
@@ -384,11 +398,14 @@ def generate(
     [-1, 1], the first frame of every clip (FLF2V: and ``last_image``), and ``image_encoder`` (a
     ``data.image_encoders.ClipImageEncoder``) when they have ``image_dim``. ``noise`` (b, c, f, h, w)
     replaces the seeded initial noise; ``return_latents`` returns the final (c, f, h, w) latents.
+    ``guidance_2``: the low-noise expert's guidance of a two-expert model (``dit/experts.py``).
     """
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
     requests = [
-        SampleRequest(i, p, num_frames, height, width, steps, guidance, seed + i, negative_prompt)
+        SampleRequest(
+            i, p, num_frames, height, width, steps, guidance, seed + i, negative_prompt, guidance_2=guidance_2
+        )
         for i, p in enumerate(prompts)
     ]
     images = (image, last_image)
@@ -416,6 +433,11 @@ def check_requests(model, vae, requests: list[SampleRequest], images=None) -> No
     patch, stride = tuple(model.config.patch_size), model_stride(model, vae)
     for r in requests:
         request_grid(r, patch, stride)
+        if r.guidance_2 is not None and getattr(model, "boundary_ratio", None) is None:
+            raise ValueError(
+                f"{r.label()}: guidance_2 is the low-noise expert's guidance of a two-expert (Wan2.2 A14B) "
+                "model, and this model is one; drop --guidance-2 (or the queue's guidance_2)"
+            )
         checked_conditioning(model, vae, r, *(images if images is not None else request_images(r)))
 
 

@@ -25,7 +25,7 @@ def model_config_of(cfg: ModelConfig) -> dict:
         videodit_config,
     )
 
-    config = json.loads((transformer_folder(cfg.pretrained) / "config.json").read_text())
+    config = json.loads((transformer_folder(cfg.pretrained, cfg.expert) / "config.json").read_text())
     if config.get("_class_name") == OUR_CLASS:
         config = {k: v for k, v in config.items() if not k.startswith("_")}
     else:
@@ -52,7 +52,7 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
     if cfg.pretrained:
         from dit.wan_import import load_pretrained
 
-        model = load_pretrained(cfg.pretrained)
+        model = load_pretrained(cfg.pretrained, expert=cfg.expert)
         check_same_task(cfg, model.config)
         if size_expands_timesteps(cfg):
             from dit.sizes import MODEL_SIZES
@@ -69,6 +69,29 @@ def build_model(cfg: ModelConfig) -> VideoDiT:
         model = VideoDiT(**model_kwargs(cfg.size, cfg.overrides))
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model
+
+
+def expert_of(cfg: ModelConfig) -> tuple[str, float] | None:
+    """(model.expert, its boundary_ratio) for a Wan2.2 A14B expert, else None. The ratio comes from
+    model.boundary_ratio or the pipeline's model_index.json; a ValueError when neither has it or
+    they disagree (training on a range the pipeline never runs the expert in)."""
+    if cfg.expert is None:
+        return None
+    from dit.wan_import import pipeline_index
+
+    folder = pipeline_index(cfg.pretrained).get("boundary_ratio") if cfg.pretrained else None
+    if folder is not None and cfg.boundary_ratio is not None and folder != cfg.boundary_ratio:
+        raise ValueError(
+            f"model.boundary_ratio={cfg.boundary_ratio} but {cfg.pretrained}/model_index.json switches experts "
+            f"at {folder}; drop model.boundary_ratio to train where the pipeline runs this expert"
+        )
+    ratio = cfg.boundary_ratio if cfg.boundary_ratio is not None else folder
+    if ratio is None:
+        raise ValueError(
+            f"model.expert={cfg.expert} needs the experts' switch: set model.boundary_ratio (0.875 for Wan2.2 "
+            "T2V-A14B, 0.9 for I2V-A14B) or point model.pretrained at the pipeline folder"
+        )
+    return cfg.expert, float(ratio)
 
 
 def task_of(config) -> str:

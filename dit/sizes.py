@@ -84,3 +84,7 @@ MODEL_SIZES["wan2.2-ti2v-5b"] = dict(
     ffn_dim=14336,
     expand_timesteps=True,
 )
+# Wan2.2 A14B: two experts (high and low noise) of Wan2.1-T2V-14B's shape. I2V-A14B takes the 36
+# input channels of Wan2.1 I2V (noisy + mask + image latent) but no CLIP image tokens.
+MODEL_SIZES["wan2.2-t2v-a14b"] = dict(MODEL_SIZES["wan-14b"])
+MODEL_SIZES["wan2.2-i2v-a14b"] = dict(MODEL_SIZES["wan-14b"], in_channels=36, out_channels=16)

@@ -44,6 +44,7 @@ from dit.setup import (
     build_text_encoder,
     build_vae,
     check_cache_fits,
+    expert_of,
     vae_stride,
 )
 from dit.ti2v import check_ti2v_data
@@ -81,6 +82,14 @@ class Trainer:
                 f"warning: train.keep_checkpoints={cfg.train.keep_checkpoints}: a crash while saving can "
                 "leave no whole checkpoint to resume; keep 2 or more"
             )
+        self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
+        if self.expert and cfg.train.sample_every:
+            raise ValueError(
+                f"train.sample_every={cfg.train.sample_every} with model.expert={self.expert[0]}: validation "
+                "clips would run this one expert at every step; set train.sample_every=0 and sample both "
+                "experts with sample.py --pretrained"
+            )
+        self.val_sigmas = self._val_sigmas()
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model)
         self.lora = cfg.model.lora is not None
@@ -141,6 +150,23 @@ class Trainer:
         self._val_clips: list[list[TrainClip]] | None = None
         if resume is not None:
             self._resume(resume)
+
+    def _val_sigmas(self) -> list[float]:
+        """flow.val_sigmas, less those on the other expert's side of the switch (an expert is never
+        run there, so its loss there says nothing)."""
+        sigmas = list(self.cfg.flow.val_sigmas)
+        if self.expert is None:
+            return sigmas
+        from dit.flow import model_timesteps, on_expert_side
+
+        kept = [s for s, ok in zip(sigmas, on_expert_side(model_timesteps(sigmas), *self.expert)) if ok]
+        if not kept:
+            name, ratio = self.expert
+            raise ValueError(
+                f"flow.val_sigmas={sigmas} has no sigma on the {name} expert's side of {ratio}; add one, e.g. "
+                f"flow.val_sigmas=[{(1 + ratio) / 2 if name == 'high' else ratio / 2:.3g}]"
+            )
+        return kept
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer, gradient clipping and the gradient all-reduce see: every parameter that
@@ -282,7 +308,9 @@ class Trainer:
         c = self.cfg
         absorb_worker_failures(samples, getattr(self.train_set, "failures", None))
         return [
-            prepare_clip(s, self.encoder, self.patch, c.flow, c.data.caption_dropout, c.train.seed, step)
+            prepare_clip(
+                s, self.encoder, self.patch, c.flow, c.data.caption_dropout, c.train.seed, step, self.expert
+            )
             for s in samples
         ]
 
@@ -331,7 +359,7 @@ class Trainer:
         if self._val_clips is None:  # fixed inputs: encode once, reuse at every evaluation
             samples = [self.val_set[i] for i in self.val_indices]
             self._val_clips = []
-            for k, sigma in enumerate(self.cfg.flow.val_sigmas):
+            for k, sigma in enumerate(self.val_sigmas):
                 clips = [
                     prepare_clip(s, self.encoder, self.patch, self.cfg.flow, 0.0, seed=10_000 + k, step=0)
                     for s in samples
@@ -350,7 +378,7 @@ class Trainer:
                         self.model, mb, PackedAttention([c.num_tokens for c in mb]), len(clips)
                     )
                 losses.append(loss.item())
-        return sum(losses) / len(self.cfg.flow.val_sigmas)
+        return sum(losses) / len(self.val_sigmas)
 
     # ----------------------------------------------------------------------------- samples and export
 

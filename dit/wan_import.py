@@ -17,8 +17,9 @@ peak is the model plus one tensor; export writes one shard at a time.
 
 Image conditioning (Wan2.1 I2V/FLF2V: ``image_dim``, ``added_kv_proj_dim``, ``pos_embed_seq_len``)
 maps one to one as well. Wan2.2 TI2V-5B is a plain Wan transformer; its pipeline's ``expand_timesteps``
-(``model_index.json``) becomes our ``expand_timesteps`` config field. Wan2.2's two-expert pipelines are
-refused as a whole (pass one expert's folder).
+(``model_index.json``) becomes our ``expand_timesteps`` config field. Wan2.2 A14B pipelines hold two
+Wan2.1-14B-shaped experts, ``transformer/`` (high noise) and ``transformer_2/`` (low noise); ``expert``
+picks one.
 """
 
 from __future__ import annotations
@@ -271,33 +272,50 @@ class SafetensorsCheckpoint:
                         yield key, f.get_tensor(key)
 
 
+# Wan2.2 A14B pipeline folders hold one expert per subfolder (``model.expert`` picks one).
+EXPERT_FOLDERS = {"high": "transformer", "low": "transformer_2"}
+
+
+def pipeline_index(path: str | Path) -> dict:
+    """A pipeline folder's model_index.json ({} when it has none)."""
+    index = Path(path) / "model_index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}
+
+
+def is_two_expert(index: Mapping) -> bool:
+    """A Wan2.2 A14B pipeline: a ``transformer_2`` component (high/low-noise experts)."""
+    return (index.get("transformer_2") or [None])[0] is not None
+
+
 def pipeline_expand_timesteps(path: str | Path) -> bool:
     """``expand_timesteps`` of the Wan pipeline that ``path`` (a pipeline or its transformer folder)
     belongs to: True for Wan2.2 TI2V (per-token timesteps); False without a ``model_index.json``."""
     path = Path(path)
-    for folder in (path, path.parent):
-        if (folder / "model_index.json").is_file():
-            return bool(json.loads((folder / "model_index.json").read_text()).get("expand_timesteps"))
-    return False
+    return any(bool(pipeline_index(folder).get("expand_timesteps")) for folder in (path, path.parent))
 
 
-def transformer_folder(path: str | Path) -> Path:
-    """A transformer folder (config.json + weights), or a pipeline folder with ``transformer/``."""
+def transformer_folder(path: str | Path, expert: str | None = None) -> Path:
+    """A transformer folder (config.json + weights), or a pipeline folder with ``transformer/`` (a
+    Wan2.2 A14B pipeline: ``expert``'s folder, ``transformer/`` for high, ``transformer_2/`` for low)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"model.pretrained={path} does not exist; {DOWNLOAD_HINT}")
     if (path / "config.json").is_file():
         return path
     if (path / "transformer" / "config.json").is_file():
-        index = (
-            json.loads((path / "model_index.json").read_text())
-            if (path / "model_index.json").is_file()
-            else {}
-        )
-        if (index.get("transformer_2") or [None])[0] is not None:
+        index = pipeline_index(path)
+        if is_two_expert(index):
+            if expert is None:
+                raise ValueError(
+                    f"{path} is a Wan2.2 two-expert pipeline; set model.expert=high (transformer/, high noise) "
+                    "or model.expert=low (transformer_2/, low noise) to train one expert (--expert for "
+                    "python -m dit.wan_import import)"
+                )
+            return path / EXPERT_FOLDERS[expert]
+        if expert is not None:
             raise ValueError(
-                f"{path} is a Wan2.2 two-expert pipeline; pass {path / 'transformer'} (high-noise expert) or "
-                f"{path / 'transformer_2'} (low-noise expert) explicitly, knowing each covers part of the sigmas"
+                f"model.expert={expert}: {path} has one transformer, not Wan2.2's two experts; drop "
+                "model.expert or point model.pretrained at a Wan2.2 A14B pipeline folder"
             )
         return path / "transformer"
     if (path / "ema" / "config.json").is_file() or (path / "model" / "config.json").is_file():
@@ -306,14 +324,18 @@ def transformer_folder(path: str | Path) -> Path:
 
 
 def load_pretrained(
-    path: str | Path, dtype: torch.dtype = torch.float32, text_pad_len: int | None = WAN_TEXT_LEN
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    text_pad_len: int | None = WAN_TEXT_LEN,
+    expert: str | None = None,
 ) -> VideoDiT:
     """VideoDiT from a folder holding our save_pretrained output or a diffusers Wan transformer.
 
-    A Wan pipeline folder (with ``transformer/``) works too. Our own format keeps its saved config
-    (``text_pad_len`` included); ``text_pad_len`` here applies to Wan checkpoints.
+    A Wan pipeline folder (with ``transformer/``) works too; of a Wan2.2 A14B one, ``expert``'s
+    transformer. Our own format keeps its saved config (``text_pad_len`` included); ``text_pad_len``
+    here applies to Wan checkpoints.
     """
-    folder = transformer_folder(path)
+    folder = transformer_folder(path, expert)
     config = json.loads((folder / "config.json").read_text())
     cls = config.get("_class_name")
     if cls == OUR_CLASS:
@@ -410,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--wan", required=True, help="Wan pipeline or transformer folder")
     imp.add_argument("--out", required=True, help="new folder for VideoDiT.save_pretrained")
     imp.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    imp.add_argument(
+        "--expert", choices=("high", "low"), default=None, help="of a Wan2.2 A14B folder: which expert"
+    )
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -426,7 +451,7 @@ def _run(args: argparse.Namespace) -> None:
         out = export_wan(model, args.out, dtype, int(args.max_shard_gb * 2**30))
         print(f"wrote {out} ({WAN_CLASS}); load it with WanTransformer3DModel.from_pretrained('{out}')")
     else:
-        model = load_pretrained(args.wan, DTYPES[args.dtype])
+        model = load_pretrained(args.wan, DTYPES[args.dtype], expert=args.expert)
         model.save_pretrained(args.out)
         print(f"wrote {args.out} ({OUR_CLASS}); fine-tune with model.pretrained={args.out}")
 

@@ -110,12 +110,20 @@ def sharded_memory_estimate(
     mode = cfg.parallel.fsdp
     if mode == "auto":
         mode = auto_fsdp_choice(cfg, world_size, replicated["gpu"], dims)[0]
-    if mode == "none":
+    if (
+        cfg.model.lora is not None
+    ):  # a frozen bf16 base and replicated adapters, as auto_fsdp_choice prices it
+        m = memory_breakdown(
+            dims, "lora", world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
+            ema=cfg.train.ema_decay > 0, lora_rank=cfg.model.lora.rank,
+        )  # fmt: skip
+    elif mode == "none":
         return mode, replicated
-    m = memory_breakdown(
-        dims, mode, world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
-        shard_optimizer=cfg.parallel.shard_optimizer, ema=cfg.train.ema_decay > 0,
-    )  # fmt: skip
+    else:
+        m = memory_breakdown(
+            dims, mode, world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
+            shard_optimizer=cfg.parallel.shard_optimizer, ema=cfg.train.ema_decay > 0,
+        )  # fmt: skip
     parts = {
         "weights": m.master_weights + m.compute_weights,
         "gradients": m.gradients,
@@ -140,6 +148,18 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
     src = "model.pretrained" if pretrained_ok else f"model.size={cfg.model.size}"
     params = sum(p.numel() for p in model.parameters())
     echo(f"model: {_count(params)} parameters ({params:,}) from {src}; weights not allocated (meta)")
+    if cfg.model.expert is not None:
+        try:
+            from dit.setup import expert_of
+
+            ratio = expert_of(cfg.model)[1]
+            side = f"t >= {ratio * 1000:g}" if cfg.model.expert == "high" else f"t < {ratio * 1000:g}"
+            echo(
+                f"  one Wan2.2 A14B expert: model.expert={cfg.model.expert} ({side}); every figure here is "
+                "per expert, and the other expert trains in its own run"
+            )
+        except ValueError as err:
+            problems.append(str(err))
 
     lengths = None
     if "data.source" in " ".join(problems):

@@ -80,6 +80,14 @@ CASES = {
     },
     "static": {"parallel.mode": "static", "parallel.static_cp_size": 2, "parallel.cp_method": "ring"},
     "uneven": {"parallel.mode": "dynamic", "train.global_batch_size": 3, "parallel.plan_ahead": False},
+    # one Wan2.2 A14B expert: every clip's sigma on its side of the switch, drawn alike on every rank
+    # (planted: the ranks drawing from the whole range: the step differs)
+    "expert": {
+        "parallel.mode": "dynamic",
+        "model.expert": "low",
+        "model.boundary_ratio": 0.875,
+        "flow.shift": 3.0,
+    },
     # image-to-video: 3 + 1 mask + 3 image channels in, CLIP tokens (a small random CLIPVisionModel,
     # written by the fixture) through the image K/V; condition tokens and CLIP tokens are routed too
     "i2v": {

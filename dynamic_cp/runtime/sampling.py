@@ -46,6 +46,7 @@ from dit.sample_requests import SampleRequest
 from dit.sampling import (
     decode,
     denoise,
+    guidance_at,
     prepare,
     request_grid,
     request_scheduler,
@@ -53,7 +54,7 @@ from dit.sampling import (
 )
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.attention.sharding import gather_shards
-from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+from dynamic_cp.planning.cost_model import BYTES_BF16, CostModel, Hardware, ModelDims
 from dynamic_cp.planning.sampling_planner import (
     Placement,
     SamplingJob,
@@ -153,7 +154,7 @@ def run_placement(
         return (v[:n], v[n:]) if request.guided else (v, None)
 
     scheduler = request_scheduler(request, n, shift, prep.noise.device)
-    x = denoise(prep.noise, scheduler, velocities, request.guidance, prep.first_frame)
+    x = denoise(prep.noise, scheduler, velocities, guidance_at(model, request), prep.first_frame)
     if rank != placement.owner:
         return None
     return decode(x, prep.grid, tuple(model.config.patch_size), vae)
@@ -217,6 +218,9 @@ def plan_queue(
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
     (memory priced with 1/W of the weights; lockstep rounds)."""
     jobs = [SamplingJob(request_tokens(model, vae, r), r.steps, r.guided, r.label()) for r in requests]
+    if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
+        # two experts (dit/experts.py) stay resident while one runs: the idle one's bf16 weights too
+        memory_bytes -= BYTES_BF16 * cost.dims.num_params / (world_size if sharded else 1)
     shards = world_size if sharded else 1
     cap = None if memory_bytes is None else sampling_token_cap(cost.dims, memory_bytes, shards=shards)
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel, sharded=sharded)
