@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--image",
         default=None,
-        help="first frame for an image-to-video model (PNG/JPEG); a queue line may set its own",
+        help="first frame for an image-to-video model, or for Wan2.2 TI2V's image-to-video mode (PNG/JPEG); "
+        "a queue line may set its own",
     )
     parser.add_argument("--last-image", default=None, help="last frame for a first-last-frame (FLF2V) model")
     parser.add_argument("--seed", type=int, default=0)

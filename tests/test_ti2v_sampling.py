@@ -222,6 +222,12 @@ def test_vae_kinds_are_told_apart(tmp_path):
         load_vae("wan", str(tmp_path / "wan22"))
     assert vae_stride(DataConfig(vae="wan2.2")) == (4, 16, 16)  # token counts before any VAE loads
     assert vae_stride(DataConfig(vae="wan")) == (4, 8, 8)
+    from data.tokens import num_tokens
+
+    # TI2V's 720p, 121 frames: 31 latent frames of 22 x 40 tokens, one token per 4 x 32 x 32 pixels
+    assert (
+        num_tokens(121, 704, 1280, vae_stride(DataConfig(vae="wan2.2")), (1, 2, 2)) == 31 * 22 * 40 == 27280
+    )
 
 
 def test_config_dry_run_prints_parameters_and_memory(capsys):
