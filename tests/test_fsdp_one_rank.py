@@ -183,3 +183,32 @@ def test_auto_prices_a_lora_run_with_its_adapter_ema():
     want = memory_breakdown(dims, "lora", 4, cap, True, ema=True, lora_rank=8)
     assert (mode, expected, cap) == ("none", want.total, cfg.train.micro_batch_tokens)
     assert want.ema > 0  # the adapters' fp32 average is counted
+
+
+def _gathered(module) -> bool:
+    return all(not isinstance(p, DTensor) for p in module.parameters())
+
+
+def _root_own(model):
+    return [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+
+
+def test_per_step_keeps_the_weights_gathered_and_per_layer_frees_each_block_after_use(world):
+    model = _model()
+    assert fsdp.apply_fsdp(model, world, CPU, "no") is model  # sharded in place
+    # per_step: gathered once, kept through forward and backward of the rank's micro-batches
+    fsdp.configure(model, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
+    fsdp.gather_weights(model)
+    loss = _loss(model)
+    assert _gathered(model)
+    loss.backward()
+    assert _gathered(model)
+    fsdp.release_weights(model)
+    assert not any(_gathered(b) for b in model.blocks)
+    # per_layer: each block freed after its forward; the root stays gathered through the pass
+    fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
+    loss = _loss(model)
+    assert not any(_gathered(b) for b in model.blocks)
+    assert all(not isinstance(p, DTensor) for p in _root_own(model))
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # freed after backward
