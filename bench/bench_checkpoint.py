@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/bench_checkpoint.py                # 82M parameters: 329 MB of weights
     PYTHONPATH=$PWD python bench/bench_checkpoint.py --steps 8
+    PYTHONPATH=$PWD python bench/bench_checkpoint.py --steps 9 --every 3   # saves 3 steps apart
 
 Two short runs of ``Trainer`` in this process, the same model and data, a checkpoint after every
 step (weights and EMA as safetensors, AdamW's moments in trainer.pt: 4 x the weights):
@@ -54,11 +55,11 @@ def timed(obj, name: str, seconds: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def run(out: Path, steps: int, async_save: bool) -> dict:
+def run(out: Path, steps: int, async_save: bool, every: int = 1) -> dict:
     overrides = [
         f"output_dir={out}", f"model.overrides={MODEL}", "data.num_clips=32", "data.num_val_clips=1",
         "data.frame_counts=[1]", "data.resolutions=[[16, 16]]", "train.global_batch_size=2",
-        f"train.max_steps={steps}", "train.checkpoint_every=1", "train.keep_checkpoints=2",
+        f"train.max_steps={steps}", f"train.checkpoint_every={every}", "train.keep_checkpoints=2",
         "train.val_every=1000", "train.log_every=1", "train.warmup_steps=1", "flow.val_sigmas=[0.5]",
         f"train.async_checkpoint={str(async_save).lower()}",
     ]  # fmt: skip
@@ -70,12 +71,15 @@ def run(out: Path, steps: int, async_save: bool) -> dict:
         timed(trainer._background, "wait_staged", staged_s)
         timed(trainer._background, "wait", end_s)
     trainer.train()
-    # the saves of steps 1..N-1: each stalls in save() and, with async, at the next optimizer step
-    stalls = [save_s[i] + (staged_s[i + 1] if async_save else 0.0) for i in range(steps - 1)]
+    # the saves of steps K, 2K, ... before the last step: each stalls in save() and, with async, at
+    # the next optimizer step (wait_staged runs at every step: entry s is step s + 1's)
+    saves = steps // every - 1
+    after = [(j + 1) * every for j in range(saves)]  # index of the step after save j in staged_s
+    stalls = [save_s[j] + (staged_s[after[j]] if async_save else 0.0) for j in range(saves)]
     return {
         "stall": stalls,
-        "in_save": save_s[: steps - 1],
-        "in_wait_staged": staged_s[1:steps],
+        "in_save": save_s[:saves],
+        "in_wait_staged": [staged_s[i] for i in after] if async_save else [0.0] * saves,
         "step": step_s,
         "end": end_s[-1] if end_s else 0.0,
         "staged": trainer._background.staged_bytes if async_save else 0,
@@ -85,14 +89,17 @@ def run(out: Path, steps: int, async_save: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="steps (and saves) of each run")
+    parser.add_argument("--steps", type=int, default=5, help="steps of each run")
+    parser.add_argument("--every", type=int, default=1, help="a checkpoint every K steps (train.checkpoint_every)")
     args = parser.parse_args()
+    if args.steps % args.every or args.steps // args.every < 2:
+        parser.error(f"--steps {args.steps} must be a multiple of --every {args.every}, with at least 2 saves")
     with tempfile.TemporaryDirectory() as tmp:
-        sync = run(Path(tmp) / "sync", args.steps, async_save=False)
-        asyn = run(Path(tmp) / "async", args.steps, async_save=True)
+        sync = run(Path(tmp) / "sync", args.steps, async_save=False, every=args.every)
+        asyn = run(Path(tmp) / "async", args.steps, async_save=True, every=args.every)
     weights = sync["weights"]
     print(f"model: {weights / 4e6:.1f}M parameters, {weights / 1e6:.0f} MB of weights; "
-          f"{args.steps} steps, a checkpoint after each")  # fmt: skip
+          f"{args.steps} steps, a checkpoint every {args.every}")  # fmt: skip
     print(f"{'':30s}{'median s':>9s}   per save (s)")
     for name, r in (("sync: a save stalls training", sync), ("async: a save stalls training", asyn)):
         print(f"{name:30s}{statistics.median(r['stall']):9.3f}   {', '.join(f'{x:.3f}' for x in r['stall'])}")
