@@ -295,3 +295,39 @@ def test_frozen_costs_plan_with_the_prior_forever():
         assert (plan.info["model_step"], plan.info["speed"], plan.info["explore_s"]) == (5, 1.0, 0.0)
         assert learner.observe(s, plan, lengths, _measure(plan, lengths, true)) is False
     assert learner.model is PRIOR and learner.num_refits == 0
+
+
+def test_exploration_moves_the_micro_batch_whose_move_the_model_prices_lowest():
+    """4 ranks, one clip each at CP 1 (a hand-built plan); the missing key is CP 2 with a given layout.
+    Moving clip 0 (the longest) onto ranks 0-1 shortens the step, clips 2 and 3 can move onto ranks
+    2-3 without lengthening it, clip 1 lengthens it. Under the cheapest layout (1x2 for all of them)
+    every free move costs 0 and the first is taken; a forced 2x1 layout costs each clip its own extra
+    seconds, so the shortest free one (clip 3, 12000 tokens) is moved."""
+    from dynamic_cp.planning.simulator import simulate
+    from dynamic_cp.runtime.cost_learning import MIN_OBSERVATIONS
+
+    lengths = [30000, 4000, 20000, 12000]
+
+    def one_clip_a_rank(model, lengths):
+        plan = Plan([((i,), [i]) for i in range(4)], 4, CAP)
+        plan.predicted_step_s = simulate(plan, lengths, model, timeline=False).step_s
+        return plan
+
+    base = one_clip_a_rank(PRIOR, lengths).predicted_step_s
+    assert PRIOR.cp_layout(2) == [(1, 2), (2, 1)] and all(PRIOR.layout([n], 2) == (1, 2) for n in lengths)
+    plans = {}
+    for layout in PRIOR.cp_layout(2):
+        learner = CostLearner(PRIOR, one_clip_a_rank, start_step=0, plan_lag=0, explore_budget=1.0,
+                              cp_sizes=(1, 2), cap_tokens=CAP)  # fmt: skip
+        first = learner.plan(lengths)
+        for key in learner.wanted:
+            learner._seen[key] = 0 if key == (2, layout) else MIN_OBSERVATIONS
+        learner.observe(0, first, lengths, [(0.0, 0.0, 0.0)] * 4)  # publishes the counts
+        plans[layout] = learner.plan(lengths)
+    cheap, forced = plans[(1, 2)], plans[(2, 1)]
+    assert cheap.micro_batches[0] == ((0, 1), [0]) and cheap.info["explore_s"] == 0.0
+    assert cheap.predicted_step_s == base
+    assert forced.micro_batches == [((0,), [0]), ((1,), [1]), ((2,), [2]), ((2, 3), [3])]
+    assert forced.info["explored"] == "cp2 2x1" and forced.info["explore_s"] > 0
+    assert forced.predicted_step_s == base + forced.info["explore_s"]
+    assert simulate(forced, lengths, PRIOR, timeline=False).step_s == base  # the move itself is free

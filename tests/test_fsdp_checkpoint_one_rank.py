@@ -62,7 +62,7 @@ def _assert_same(got: dict, want: dict):
 def test_save_then_load_restores_weights_moments_and_ema_and_writes_the_exports(world, tmp_path):
     model, optimizer, ema = _trained(world)
     weights, moments, averages = _values(model, optimizer, ema)
-    config = {"train": {"max_steps": 9}}
+    config = {"train": {"max_steps": 9}, "model": {"size": "tiny"}}  # not in sorted order
     step_dir = save_fsdp_checkpoint(tmp_path, 3, model, optimizer, ema, STATE, config, 2, world)
     assert step_dir == tmp_path / "step_000003" and (tmp_path / "latest").read_text().strip() == "step_000003"
     assert sorted(p.name for p in step_dir.iterdir()) == [
@@ -72,7 +72,9 @@ def test_save_then_load_restores_weights_moments_and_ema_and_writes_the_exports(
         "sharded",
         "trainer.pt",
     ]
-    assert (step_dir / "config.yaml").read_text() == "train:\n  max_steps: 9\n"
+    assert (
+        step_dir / "config.yaml"
+    ).read_text() == "train:\n  max_steps: 9\nmodel:\n  size: tiny\n"  # config's order
     exported = VideoDiT.from_pretrained(step_dir / "model").state_dict()
     for n, w in weights.items():
         assert torch.equal(exported[n], w), n

@@ -205,6 +205,8 @@ def test_per_step_keeps_the_weights_gathered_and_per_layer_frees_each_block_afte
     assert _gathered(model)
     fsdp.release_weights(model)
     assert not any(_gathered(b) for b in model.blocks)
+    # sync off on every unit: nothing was reduce-scattered (no world collective) before the sync pass
+    assert all(p.grad is None for p in model.parameters())
     # per_layer: each block freed after its forward; the root stays gathered through the pass
     fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
     loss = _loss(model)
