@@ -90,10 +90,14 @@ def run(out: Path, steps: int, async_save: bool, every: int = 1) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="steps of each run")
-    parser.add_argument("--every", type=int, default=1, help="a checkpoint every K steps (train.checkpoint_every)")
+    parser.add_argument(
+        "--every", type=int, default=1, help="a checkpoint every K steps (train.checkpoint_every)"
+    )
     args = parser.parse_args()
     if args.steps % args.every or args.steps // args.every < 2:
-        parser.error(f"--steps {args.steps} must be a multiple of --every {args.every}, with at least 2 saves")
+        parser.error(
+            f"--steps {args.steps} must be a multiple of --every {args.every}, with at least 2 saves"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(Path(tmp) / "sync", args.steps, async_save=False, every=args.every)
         asyn = run(Path(tmp) / "async", args.steps, async_save=True, every=args.every)
