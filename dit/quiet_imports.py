@@ -23,9 +23,13 @@ _hidden = False  # whether the None in sys.modules is ours (a test may put its o
 
 
 def hide_bitsandbytes() -> None:
-    """Make bitsandbytes look absent to diffusers and peft, unless something already imported it."""
+    """Make bitsandbytes look absent to diffusers and peft, unless something already imported it.
+
+    Not once diffusers or peft is imported: they decide at their own import whether bitsandbytes is
+    there, and one that was told so would fail importing it later (``None`` in ``sys.modules``). A
+    script that imports diffusers before this project keeps diffusers' own behaviour instead."""
     global _hidden
-    if NAME not in sys.modules:
+    if NAME not in sys.modules and "diffusers" not in sys.modules and "peft" not in sys.modules:
         sys.modules[NAME] = None
         _hidden = True
 

@@ -82,3 +82,17 @@ def test_adamw_8bit_imports_bitsandbytes_quietly():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "AdamW8bit"
     assert out.stderr == ""
+
+
+def test_diffusers_imported_before_the_project_still_builds_its_models():
+    # A script (bench/bench_cache.py, a user's) that imports diffusers first: diffusers has already
+    # decided that bitsandbytes is there, so hiding it now would break its model imports.
+    code = (
+        "import diffusers\n"
+        "import dit, data.vaes\n"
+        "from diffusers import AutoencoderKLWan\n"
+        "AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[False])\n"
+        "print('built')\n"
+    )
+    out = _run([sys.executable, "-c", code])
+    assert out.returncode == 0 and out.stdout.strip() == "built", out.stderr[-2000:]
