@@ -120,7 +120,7 @@ def run(args) -> int:
 
     from dit.sample_requests import build_queue
     from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
-    from dit.sampling import check_requests, output_path, remove_partials, sample_queue
+    from dit.sampling import check_requests, check_writable, output_path, remove_partials, sample_queue
 
     if args.upscale < 1:
         raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
@@ -130,6 +130,7 @@ def run(args) -> int:
         last_image=args.last_image or "",
     )  # fmt: skip
     requests = build_queue(args.prompt, args.prompts_file, defaults)
+    check_writable(requests, args.upscale)  # before any weights load
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         from dynamic_cp.runtime.sampling import sampling_world

@@ -426,6 +426,18 @@ def generate(
     ]
 
 
+def check_writable(requests: list[SampleRequest], upscale: int) -> None:
+    """H.264 (yuv420p) needs even frame sizes: a ValueError naming the first request whose written
+    clip (its size times ``upscale``) has an odd height or width, before anything is sampled."""
+    for r in requests:
+        h, w = r.height * upscale, r.width * upscale
+        if h % 2 or w % 2:
+            raise ValueError(
+                f"{r.label()}: a {w}x{h} clip (width x height, after --upscale {upscale}) cannot be written "
+                "as H.264, which needs even sizes; ask for an even --height/--width or pass --upscale 2"
+            )
+
+
 def check_requests(model, vae, requests: list[SampleRequest], images=None) -> None:
     """Every request's shape against the VAE stride and patch, and its frames against the model (an
     image-to-video model needs them, a text-to-video one refuses them): one ValueError naming the
