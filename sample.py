@@ -130,7 +130,6 @@ def run(args) -> int:
         last_image=args.last_image or "",
     )  # fmt: skip
     requests = build_queue(args.prompt, args.prompts_file, defaults)
-    check_writable(requests, args.upscale)  # before any weights load
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         from dynamic_cp.runtime.sampling import sampling_world
@@ -151,6 +150,7 @@ def run(args) -> int:
             )
         shift = args.shift if args.shift is not None else sampler.shift
         check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
+        check_writable(requests, args.upscale)  # H.264 needs even sizes (after the patch's own check)
         out = Path(args.out) if args.out else sampler.out_dir
         settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
         paths = {r.index: output_path(out, r, settings) for r in requests}

@@ -99,11 +99,6 @@ def test_mistakes_exit_2_naming_them(run_dir, tmp_path, capsys):
 
     fails(["--checkpoint", str(run_dir), *SMALL, "--prompt", "p", "--upscale", "0"], "--upscale 0")
     fails(["--checkpoint", str(run_dir), *SMALL], "no prompt given")
-    odd = ["--frames", "1", "--height", "7", "--width", "8", "--steps", "1", "--prompt", "p"]
-    fails(
-        ["--checkpoint", str(run_dir), *odd],
-        "--prompt 1: a 8x7 clip (width x height, after --upscale 1) cannot",
-    )
     cfg = load_config(TINY, tiny_overrides(tmp_path, **{"train.ema_decay": 0}))
     Trainer(cfg, device=torch.device("cpu")).save()
     fails(["--checkpoint", cfg.output_dir, *SMALL, "--prompt", "p"], "no ema weights, try --weights model")

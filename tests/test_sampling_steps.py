@@ -521,3 +521,14 @@ def test_model_stride_and_data_channels():
     assert sampling.data_channels(model) == C
     model.config.out_channels = None
     assert sampling.data_channels(model) == 7
+
+
+def test_a_clip_h264_cannot_hold_is_refused_naming_the_request_and_the_fix():
+    from dit.sampling import check_writable
+
+    odd = SampleRequest(3, "p", 1, 7, 8, 1, 1.0, 0, where="queue.jsonl line 4")
+    with pytest.raises(ValueError, match=r"queue.jsonl line 4: a 8x7 clip .*after --upscale 1.* --upscale 2"):
+        check_writable([odd], 1)
+    check_writable([odd], 2)  # 14 x 16 pixels once enlarged: even
+    with pytest.raises(ValueError, match="a 24x21 clip"):
+        check_writable([odd], 3)
