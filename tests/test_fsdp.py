@@ -255,6 +255,46 @@ def resume_worker(rank: int, world_size: int, root: str) -> dict:
         return {"error": traceback.format_exc()}
 
 
+def fsdp_steps(cfg) -> dict:
+    """STEPS sharded steps of ``cfg`` on the world group (collective): each step's loss and gradient
+    norm, and the full final parameters."""
+    trainer = PerturbedFSDP(cfg, dist.group.WORLD)
+    batches = trainer.data_iterator()
+    steps = []
+    for _ in range(STEPS):
+        metrics = trainer.train_step(next(batches))
+        trainer.step += 1
+        steps.append({k: metrics[k] for k in ("loss", "grad_norm")})
+    batches.close()
+    return {"steps": steps, "params": {n: p.full_tensor() for n, p in trainer.model.named_parameters()}}
+
+
+def assert_equals_single_process(got: dict, cfg, check_clips=None, label: str = "") -> None:
+    """``got`` (rank 0's ``fsdp_steps``) against STEPS single-process steps of ``cfg`` on the same global
+    batches, within REL_TOL; ``check_clips(clips)`` asserts the path under test runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # cores shared with spawned ranks
+    try:
+        trainer = PerturbedTrainer(cfg, device=torch.device("cpu"))
+        sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
+        ref_steps = []
+        for s in range(STEPS):
+            clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
+            if check_clips is not None:
+                check_clips(clips)
+            ref_steps.append(trainer.train_step(clips))
+    finally:
+        torch.set_num_threads(threads)
+    for s, (step, ref) in enumerate(zip(got["steps"], ref_steps)):
+        assert step["loss"] == pytest.approx(ref["loss"], rel=REL_TOL), f"{label}step {s + 1} loss"
+        assert step["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL_TOL), (
+            f"{label}step {s + 1} grad norm"
+        )
+    for name, p in trainer.model.named_parameters():
+        err = _rel(got["params"][name], p.detach())
+        assert err < REL_TOL, f"{label}{name} differs from single process by {err:.2e}"
+
+
 def _reference(world_size: int, out: str) -> tuple[list[dict], dict]:
     """Single-process steps on the same global batches: per-step metrics and final parameters."""
     threads = torch.get_num_threads()

@@ -12,12 +12,9 @@ import traceback
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 from conftest import save_small_clip
-from test_fsdp import CONFIG, DATA, REL_TOL, STEPS, PerturbedFSDP, PerturbedTrainer, _rel, overrides
+from test_fsdp import CONFIG, DATA, assert_equals_single_process, fsdp_steps, overrides
 
-from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dynamic_cp.runtime.testing import run_gloo
 
@@ -38,16 +35,8 @@ def _config(out: str, world_size: int, **extra):
 
 def worker(rank: int, world_size: int, root: str) -> dict:
     try:
-        trainer = PerturbedFSDP(_config(f"{root}/w{world_size}", world_size), dist.group.WORLD)
-        batches = trainer.data_iterator()
-        steps = []
-        for _ in range(STEPS):
-            metrics = trainer.train_step(next(batches))
-            trainer.step += 1
-            steps.append({k: metrics[k] for k in ("loss", "grad_norm")})
-        batches.close()
-        full = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}  # collective
-        return {"steps": steps, "params": full} if rank == 0 else {}
+        out = fsdp_steps(_config(f"{root}/w{world_size}", world_size))
+        return out if rank == 0 else {}
     except Exception:
         return {"error": traceback.format_exc()}
 
@@ -59,22 +48,9 @@ def test_i2v_fsdp_steps_equal_single_process(tmp_path, world_size):
     assert "error" not in res[0], res[0].get("error")
     for r, out in enumerate(res):
         assert "error" not in out, f"rank {r}:\n{out['error']}"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cfg = _config(str(tmp_path / "ref"), world_size, **{"parallel.mode": "none", "parallel.fsdp": "none"})
-        trainer = PerturbedTrainer(cfg, device=torch.device("cpu"))
-        sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
-        ref_steps = []
-        for s in range(STEPS):
-            clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
-            assert clips[0].condition is not None and clips[0].image is not None  # the image path runs
-            ref_steps.append(trainer.train_step(clips))
-    finally:
-        torch.set_num_threads(threads)
-    for s, (got, ref) in enumerate(zip(res[0]["steps"], ref_steps)):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=REL_TOL), f"step {s + 1} loss"
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL_TOL), f"step {s + 1} grad norm"
-    for name, p in trainer.model.named_parameters():
-        err = _rel(res[0]["params"][name], p.detach())
-        assert err < REL_TOL, f"W={world_size}: {name} differs from single process by {err:.2e}"
+
+    def check(clips):
+        assert clips[0].condition is not None and clips[0].image is not None  # the image path runs
+
+    cfg = _config(str(tmp_path / "ref"), world_size, **{"parallel.mode": "none", "parallel.fsdp": "none"})
+    assert_equals_single_process(res[0], cfg, check, f"W={world_size}: ")
