@@ -10,17 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from fractions import Fraction
+from importlib import import_module
 
 import numpy as np
-
-try:  # decord ships wheels for x86_64 Linux only; everything works without it (slower).
-    import decord
-
-    decord.logging.set_level(decord.logging.QUIET)
-except Exception:  # pragma: no cover - depends on the platform
-    decord = None
-
-import av
 
 from data.native_stderr import QUIET_NATIVE_STDERR
 
@@ -58,12 +50,24 @@ def _check_file(path: str) -> None:
         raise VideoReadError(path, "zero_bytes")
 
 
+def _decord():
+    """decord, or None where it is not installed (it ships wheels for x86_64 Linux only; everything
+    works without it, slower). Imported on first use, as PyAV is: the two hold about 20 MB of resident
+    memory, which a rank that only plans (a latent cache) never needs (bench/bench_index.py)."""
+    try:
+        decord = import_module("decord")
+    except Exception:  # ImportError, or a broken native library: the platform decides
+        return None
+    decord.logging.set_level(decord.logging.QUIET)
+    return decord
+
+
 def _backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"reader backend {backend!r} is unknown; use one of {BACKENDS}")
     if backend == "auto":
-        return "decord" if decord is not None else "pyav"
-    if backend == "decord" and decord is None:
+        return "decord" if _decord() is not None else "pyav"
+    if backend == "decord" and _decord() is None:
         raise ValueError("reader backend 'decord' requested but decord is not installed; use 'pyav'")
     return backend
 
@@ -74,7 +78,7 @@ def _backend(backend: str) -> str:
 def _decord_reader(path: str):
     try:
         with QUIET_NATIVE_STDERR:  # decord prints its own "ERROR opening" line before raising
-            return decord.VideoReader(path, num_threads=1)
+            return _decord().VideoReader(path, num_threads=1)
     except Exception as e:  # decord raises RuntimeError/DECORDError with long C++ traces
         raise VideoReadError(path, "not_a_video_or_corrupt", str(e).splitlines()[0][:200]) from e
 
@@ -101,6 +105,8 @@ def _read_decord(path: str, indices: list[int]) -> np.ndarray:
 
 
 def _open_av(path: str):
+    import av  # on first use: see _decord
+
     try:
         container = av.open(path)
     except Exception as e:

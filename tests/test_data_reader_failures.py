@@ -88,7 +88,7 @@ def test_decord_decode_error_falls_back_to_pyav(clip, monkeypatch):
         def get_batch(self, indices):
             raise RuntimeError("decord: corrupt packet")
 
-    monkeypatch.setattr(readers.decord, "VideoReader", Broken)
+    monkeypatch.setattr(readers._decord(), "VideoReader", Broken)
     with pytest.raises(VideoReadError) as e:
         readers._read_decord(clip, [0])
     assert e.value.reason == "decode_error" and "corrupt packet" in e.value.detail

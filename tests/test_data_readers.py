@@ -84,3 +84,28 @@ def test_broken_inputs_raise_video_read_error(tmp_path):
 def test_unknown_backend_is_a_value_error(clips):
     with pytest.raises(ValueError, match="decord"):
         probe(clips[0], "opencv")
+
+
+def test_planning_imports_no_video_decoder(tmp_path):
+    """A rank that builds its dataset and plans (token counts from metadata) imports neither decord nor
+    PyAV: about 20 MB of resident memory per rank (bench/bench_index.py: 309 -> 288 MB), loaded on the
+    first decode instead. Planted `import av` back at the top of data/readers.py -> this test fails."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "a.mp4").write_bytes(b"")  # rows with metadata are trusted: never opened while planning
+    (tmp_path / "m.csv").write_text("path,text,num_frames,height,width,fps\na.mp4,a dog,33,64,64,16\n")
+    code = (
+        "import sys\n"
+        "from data.build import build_dataset\n"
+        "import data.cache, data.cache_dataset, data.scan, dit.batching, dynamic_cp.planning.planner\n"
+        f"ds = build_dataset({str(tmp_path / 'm.csv')!r}, progress=False)\n"
+        "assert ds.meta(0).num_frames == 33\n"
+        "print(sorted(m for m in ('av', 'decord') if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported at start-up: {out.stdout}"
