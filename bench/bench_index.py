@@ -11,6 +11,16 @@ own share of index rows. It reports the seconds that took and the process's peak
 with and without what the imports (torch, the project) hold before the index is touched.
 
 old = version 1 (every sample a dict in index.json); new = version 2 (columns in samples.safetensors).
+
+    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv
+    python bench/bench_index.py --manifest --old-tree /tmp/old      # and the same with another checkout
+
+``--manifest`` does the same from a CSV manifest with metadata (what ``python -m data.scan`` writes)
+instead of a cache: the rank builds the pixel dataset (the clip policy of a Wan fine-tune: 16 fps, 81
+frames, 256x256 area), plans, and reads its own rows' paths. The rows name 100 empty files (a rank
+checks that each listed file exists; the files are never opened). ``--old-tree`` runs the same rank
+with another source tree first on PYTHONPATH (``git archive COMMIT | tar -x -C /tmp/old``): before the
+columnar manifest table every rank held a ``Row`` and a ``ClipMeta`` per row.
 Benchmarks print; they never assert.
 """
 
@@ -27,7 +37,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.environ.get("BENCH_INDEX_TREE", ROOT))  # --old-tree: the child imports that tree
 
 from data.cache_dataset import FORMAT, INDEX  # noqa: E402
 from data.cache_index import SAMPLES, SHARD, save_columns, strings  # noqa: E402
@@ -80,6 +90,24 @@ def write_new(root: str, n: int) -> None:
         json.dump({**HEADER, "version": 2, "num_samples": n}, f)
 
 
+def write_manifest(root: str, n: int, seed: int = 0) -> str:
+    """A scanned manifest of n rows: source lengths 2-40 s, three sizes, four frame rates."""
+    rng = np.random.default_rng(seed)
+    fps = rng.choice([24.0, 25.0, 29.97, 30.0], size=n)
+    frames = (rng.uniform(2, 40, size=n) * fps).astype(int)
+    sizes = np.array([[480, 854], [720, 1280], [1080, 1920]])[rng.choice(3, size=n, p=[0.3, 0.5, 0.2])]
+    os.makedirs(os.path.join(root, "clips"))
+    for k in range(100):
+        open(os.path.join(root, "clips", f"clip-{k:03d}.mp4"), "wb").close()
+    path = os.path.join(root, "manifest.csv")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("path,text,num_frames,height,width,fps\n")
+        for i in range(n):
+            f.write(f'clips/clip-{i % 100:03d}.mp4,"clip {i}: a person walks a dog along a beach at sunset, '
+                    f'camera pans left",{frames[i]},{sizes[i, 0]},{sizes[i, 1]},{fps[i]}\n')  # fmt: skip
+    return path
+
+
 def rss_mb() -> float:
     """Peak resident memory of this process so far (Linux VmHWM: unlike ru_maxrss, it does not carry
     over the parent's peak through fork + exec)."""
@@ -101,13 +129,19 @@ def child(root: str, ranks: int, clips_per_rank: int) -> None:
     cm = CostModel.from_name("wan-1.3b", "h100")
     imports = rss_mb()
     t0 = time.perf_counter()
-    ds = build_dataset(root)
+    if root.endswith(".csv"):
+        ds = build_dataset(root, fps=16, max_frames=81, resolution=256, progress=False)
+    else:
+        ds = build_dataset(root)
     batch = GlobalBatchSampler(range(len(ds)), ranks * clips_per_rank, seed=0).batch(0)
     lengths = [
         num_tokens(*vars(ds.meta(i)).values(), ds.vae_stride) for i in batch
     ]  # all-gathered in training
     p = plan(lengths, ranks, cm.token_cap(shard_world=ranks), cm)
-    rows = [ds.samples[i] for i in batch[:clips_per_rank]]  # rank 0's share: keys, shards, captions
+    if root.endswith(".csv"):  # rank 0's share: paths and source metadata
+        rows = [(ds.path(i), ds.info(i)) for i in batch[:clips_per_rank]]
+    else:  # rank 0's share: keys, shards, captions
+        rows = [ds.samples[i] for i in batch[:clips_per_rank]]
     seconds = time.perf_counter() - t0
     assert p is not None and len(rows) == clips_per_rank
     print(json.dumps({"seconds": seconds, "rss_mb": rss_mb(), "imports_mb": imports}))
@@ -118,10 +152,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--ranks", type=int, default=8, help="ranks the plan is made for")
     ap.add_argument("--clips-per-rank", type=int, default=4)
+    ap.add_argument("--manifest", action="store_true", help="a CSV manifest instead of a cache index")
+    ap.add_argument("--old-tree", help="with --manifest: also run the rank with this source tree")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.ranks, args.clips_per_rank)
+    if args.manifest:
+        return manifest_main(args)
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
         for name, write in (("old", write_old), ("new", write_new)):
@@ -144,6 +182,31 @@ def main() -> None:
     print(
         f"old / new: {old['seconds'] / new['seconds']:.1f}x time, {old['rss_mb'] / new['rss_mb']:.1f}x peak RSS"
     )
+
+
+def run_child(root: str, args, tree: str = ROOT) -> dict:
+    cmd = [sys.executable, __file__, "--child", root, "--ranks", str(args.ranks)]
+    cmd += ["--clips-per-rank", str(args.clips_per_rank)]
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "BENCH_INDEX_TREE": os.path.abspath(tree)}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def manifest_main(args) -> None:
+    trees = ([("old", args.old_tree)] if args.old_tree else []) + [("new", ROOT)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_manifest(tmp, args.samples)
+        size = os.path.getsize(path) / 2**20
+        results = {name: run_child(path, args, tree) for name, tree in trees}
+    print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB); one rank's start-up to its first plan "
+          f"({args.ranks} ranks x {args.clips_per_rank} clips), fresh process per tree")  # fmt: skip
+    print("tree  first plan s  peak RSS MB  RSS over imports MB")
+    for name, r in results.items():
+        print(f"{name:4s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}")
+    if "old" in results:
+        old, new = results["old"], results["new"]
+        print(f"old / new: {old['seconds'] / new['seconds']:.1f}x time, "
+              f"{(old['rss_mb'] - old['imports_mb']) / (new['rss_mb'] - new['imports_mb']):.1f}x RSS over imports")  # fmt: skip
 
 
 if __name__ == "__main__":

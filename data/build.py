@@ -67,9 +67,9 @@ def build_dataset(source: str, **options):
             raise ValueError(
                 f"manifest {source} does not exist; check data.source (relative paths start at the working directory)"
             )
-        from data.manifest import read_manifest
+        from data.manifest import read_table
 
-        return _videos(source, read_manifest(source), options)
+        return _videos(source, read_table(source), options)
 
     from data.plugin import PluginDataset, is_plugin
 

@@ -33,7 +33,7 @@ class Row:
     """Source metadata; None until probed."""
 
 
-def _info_from(record: dict, where: str) -> VideoInfo | None:
+def info_from(record: dict, where: str) -> VideoInfo | None:
     values = [record.get(k) for k in ("num_frames", "height", "width", "fps")]
     if any(v in (None, "") for v in values):
         return None  # not scanned yet: probe later
@@ -50,49 +50,22 @@ def _info_from(record: dict, where: str) -> VideoInfo | None:
 
 def read_manifest(path: str | os.PathLike) -> list[Row]:
     """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
+    return read_table(path).rows()
+
+
+def read_table(path: str | os.PathLike):
+    """The manifest as a ``data.manifest_table.ManifestTable``: columns, no object per row."""
+    from data.manifest_table import ManifestTable  # it builds on this module's Row
+
     path = str(path)
+    if not path.endswith((".csv", ".jsonl")):
+        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
     try:
-        return _read_manifest(path)
+        return ManifestTable.read(path)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except csv.Error as e:
         raise ValueError(f"{path}: not a readable CSV file ({e})") from None
-
-
-def _read_manifest(path: str) -> list[Row]:
-    root = os.path.dirname(os.path.abspath(path))
-    if path.endswith(".csv"):
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            if not reader.fieldnames or "path" not in reader.fieldnames:
-                raise ValueError(
-                    f"{path}: the CSV header needs a 'path' column (Open-Sora style: {','.join(COLUMNS)})"
-                )
-            records = [(f"{path}:{i + 2}", r) for i, r in enumerate(reader)]
-    elif path.endswith(".jsonl"):
-        records = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                where = f"{path}:{i + 1}"
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e}); one object per line") from e
-                if not isinstance(r, dict) or "path" not in r:
-                    raise ValueError(f"{where}: each line needs an object with a 'path' key")
-                records.append((where, r))
-    else:
-        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
-    rows = []
-    for where, r in records:
-        p = str(r["path"] or "")
-        if not p:
-            raise ValueError(f"{where}: empty 'path'")
-        p = p if os.path.isabs(p) else os.path.join(root, p)
-        rows.append(Row(os.path.normpath(p), str(r.get("text") or ""), _info_from(r, where)))
-    return rows
 
 
 def list_folder(folder: str | os.PathLike) -> list[Row]:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from data.clip_policy import ClipPolicy, ClipSkip
 from data.failures import FailureLog
 from data.manifest import Row
+from data.manifest_table import ManifestTable
 from data.readers import VideoInfo, VideoReadError, read_frames
 from data.scan import probe_rows
 from data.types import ClipMeta
@@ -25,11 +27,15 @@ log = logging.getLogger("data")
 
 
 class VideoDataset(Dataset):
-    """``meta(i)`` from metadata only; ``__getitem__(i)`` -> {"video", "caption", "index"}."""
+    """``meta(i)`` from metadata only; ``__getitem__(i)`` -> {"video", "caption", "index"}.
+
+    ``rows`` is a ``ManifestTable`` (data.manifest.read_table) or a list of ``Row``. The dataset keeps
+    arrays only: the table, which table row each clip is, and each clip's shape; a clip's path and
+    caption are read when it is loaded."""
 
     def __init__(
         self,
-        rows: list[Row],
+        rows: ManifestTable | list[Row],
         policy: ClipPolicy | None = None,
         *,
         name: str = "videos",
@@ -40,53 +46,90 @@ class VideoDataset(Dataset):
     ):
         self.policy = policy or ClipPolicy()
         self.backend = backend
-        self.failures = FailureLog(total=len(rows), max_failure_share=max_failure_share)
-        rows = probe_rows(rows, self.failures, probe_workers, backend, progress)
-        self.items: list[tuple[Row, ClipMeta]] = []
-        for r in rows:
-            try:
-                self.items.append((r, self.policy.plan(r.info)))
-            except ClipSkip as e:
-                self.failures.skip(r.path, e.reason, e.detail)
+        table = rows if isinstance(rows, ManifestTable) else ManifestTable.from_rows(rows)
+        self.table = table
+        self.failures = FailureLog(total=len(table), max_failure_share=max_failure_share)
+        for j in np.flatnonzero(table.missing):
+            self.failures.fail(table.path(j), "missing_file", "listed in the manifest", check=False)
+        keep = ~table.missing
+        todo = np.flatnonzero(keep & ~table.has_info)
+        if len(todo):  # rows without metadata: probed in threads, as Row objects (these rows only)
+            todo_rows = [table.row(j) for j in todo]
+            probe_rows(todo_rows, self.failures, probe_workers, backend, progress)
+            for j, r in zip(todo, todo_rows):
+                if r.info is None:
+                    keep[j] = False
+                else:
+                    table.set_info(j, r.info)
+        self._rows, self._meta = self._plan(np.flatnonzero(keep))  # (n,) int64, (n, 3) int32
         self._bad: set[int] = set()  # indices that failed at load time in this process
-        num_uncaptioned = sum(1 for r, _ in self.items if not r.text)
+        num_uncaptioned = int((~table.captioned[self._rows]).sum())
         if num_uncaptioned:
             log.warning(
                 "data: %d of %d clips in %s have no caption (trained unconditionally)",
                 num_uncaptioned,
-                len(self.items),
+                len(self),
                 name,
             )
         # A warning when anything was dropped, so the summary shows even where logging is not configured.
         noisy = self.failures.failed or self.failures.skipped
         log.log(logging.WARNING if noisy else logging.INFO, "%s", self.failures.summary())
         self.failures.check()
-        if not self.items:
+        if not len(self):
             raise ValueError(
                 f"{name}: no usable clips. {self.failures.summary()}\n{self.failures.report()}\n"
                 "Check the paths, or relax the clip policy (min_frames, min_tokens, fps)."
             )
+
+    def _plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The policy's shape of each row, planned once per distinct source metadata (a million clips
+        share far fewer (frames, height, width, fps)); rows it rejects are counted as skips. In chunks,
+        so the sort that finds the distinct rows never copies every row at once."""
+        t, plans = self.table, {}  # (frames, height, width, fps) -> ClipMeta or ClipSkip
+        metas = np.zeros((len(rows), 3), dtype=np.int32)  # -1: the policy skips the row
+        for start in range(0, len(rows), 1 << 16):
+            r = rows[start : start + (1 << 16)]
+            source = np.stack([t.frames[r], t.height[r], t.width[r], t.fps[r]], axis=1)  # (m, 4)
+            distinct, inverse = np.unique(source, axis=0, return_inverse=True)
+            planned = np.zeros((len(distinct), 3), dtype=np.int32)
+            for u, (n, h, w, fps) in enumerate(distinct.tolist()):
+                if (n, h, w, fps) not in plans:
+                    try:
+                        plans[n, h, w, fps] = self.policy.plan(VideoInfo(int(n), int(h), int(w), fps))
+                    except ClipSkip as e:
+                        plans[n, h, w, fps] = e
+                m = plans[n, h, w, fps]
+                planned[u] = (-1, -1, -1) if isinstance(m, ClipSkip) else (m.num_frames, m.height, m.width)
+            metas[start : start + len(r)] = planned[inverse.reshape(-1)]
+        ok = metas[:, 0] > 0
+        for j in rows[~ok].tolist():
+            e = plans[t.frames[j].item(), t.height[j].item(), t.width[j].item(), t.fps[j].item()]
+            self.failures.skip(t.path(j), e.reason, e.detail)
+        return rows[ok], metas[ok]
 
     @property
     def vae_stride(self) -> tuple[int, int, int]:
         return self.policy.vae_stride
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._rows)
 
     def meta(self, i: int) -> ClipMeta:
-        return self.items[i][1]
+        return ClipMeta(*(int(x) for x in self._meta[i]))
 
     def info(self, i: int) -> VideoInfo:
-        return self.items[i][0].info
+        return self.table.info(int(self._rows[i]))
 
     def path(self, i: int) -> str:
-        return self.items[i][0].path
+        return self.table.path(int(self._rows[i]))
+
+    def caption(self, i: int) -> str:
+        return self.table.row(int(self._rows[i])).text
 
     def load(self, i: int, meta: ClipMeta | None = None) -> dict:
         """Decode clip ``i`` cut to ``meta`` (its own by default). Raises VideoReadError."""
-        row, own = self.items[i]
-        meta = meta or own
+        row = self.table.row(int(self._rows[i]))
+        meta = meta or self.meta(i)
         indices = self.policy.frame_indices(row.info, meta, i)
         frames = read_frames(row.path, indices, self.backend)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] != len(indices):
@@ -110,10 +153,10 @@ class VideoDataset(Dataset):
         """Deterministic stand-in for a broken clip: the next clip with the same shape, else the next
         one cut to this shape. The sample keeps ``index=i`` and reports the failure to the loader."""
         target = self.meta(i)
-        order = [(i + k) % len(self) for k in range(1, len(self))]
-        same = [j for j in order if self.meta(j) == target]
+        order = (i + np.arange(1, len(self))) % len(self)
+        same = (self._meta[order] == self._meta[i]).all(axis=1)
         records = [(self.path(i), err.reason)]
-        for j in same + [j for j in order if self.meta(j) != target]:
+        for j in np.concatenate([order[same], order[~same]]).tolist():
             if j in self._bad:
                 continue
             try:

@@ -204,7 +204,7 @@ def test_columnar_index_reads_rows_lazily_and_version_1_caches_still_load(media,
     assert (
         [r["caption"] for r in rows]
         == [new.caption(i) for i in range(5)]
-        == [r.text for r, _ in pixels.items]
+        == [pixels.caption(i) for i in range(5)]
     )
     assert [r["source"] for r in rows] == [pixels.path(i) for i in range(5)]
     assert [new.meta(i) for i in range(5)] == [pixels.meta(i) for i in range(5)]

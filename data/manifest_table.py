@@ -1,0 +1,236 @@
+"""A manifest's rows as columns: a million-row manifest costs each rank a few arrays, not a million objects.
+
+Per row the table holds the source metadata (frames, height, width; fps, NaN where the row has none
+yet) and where the row's path and caption are: for a manifest file, the byte offset of its record,
+re-read from the file when that clip is loaded (a rank materialises only the rows it loads); for a
+folder listing, its strings as UTF-8 bytes end to end (``data.cache_index.strings``). About 30 bytes
+a row instead of a ``Row`` with its strings and ``VideoInfo`` (bench/bench_index.py --manifest).
+
+    frames, height, width  (n,) int32    source metadata (0 where not probed yet)
+    fps                    (n,) float64  NaN where not probed yet
+    missing                (n,) bool     a row with metadata whose file does not exist (checked while reading)
+    captioned              (n,) bool     the caption is not empty
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from array import array
+
+import numpy as np
+
+from data.cache_index import strings
+from data.manifest import COLUMNS, Row, info_from
+from data.readers import VideoInfo
+
+
+class ManifestTable:
+    """Rows of a manifest (``read``) or of a list of ``Row`` (``from_rows``); ``row(j)`` builds one."""
+
+    def __init__(self, frames, height, width, fps, missing, captioned, records):
+        self.frames, self.height, self.width = frames, height, width
+        self.fps, self.missing, self.captioned = fps, missing, captioned
+        self._records = records  # j -> (absolute path, caption)
+
+    @classmethod
+    def read(cls, path: str) -> ManifestTable:
+        """Stream a .csv or .jsonl manifest (bad rows raise ``ValueError`` naming the line)."""
+        records = _FileRecords(path)
+        columns = _Columns(records.root, path)
+        for offset, line, p, text, meta in records.scan():
+            columns.add(p, text, meta, line)
+            records.offsets.append(offset)
+        records.offsets = np.frombuffer(records.offsets, dtype=np.int64)
+        return columns.table(records)
+
+    @classmethod
+    def from_rows(cls, rows: list[Row]) -> ManifestTable:
+        columns = _Columns("/", "rows")
+        for i, r in enumerate(rows):
+            meta = (
+                (None,) * 4
+                if r.info is None
+                else (r.info.num_frames, r.info.height, r.info.width, r.info.fps)
+            )
+            columns.add(r.path, r.text, meta, i + 1)
+        return columns.table(_MemoryRecords([r.path for r in rows], [r.text for r in rows]))
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    @property
+    def has_info(self) -> np.ndarray:
+        return ~np.isnan(self.fps)
+
+    def info(self, j: int) -> VideoInfo | None:
+        if np.isnan(self.fps[j]):
+            return None
+        return VideoInfo(int(self.frames[j]), int(self.height[j]), int(self.width[j]), float(self.fps[j]))
+
+    def set_info(self, j: int, info: VideoInfo) -> None:
+        self.frames[j], self.height[j], self.width[j], self.fps[j] = (
+            info.num_frames, info.height, info.width, info.fps,
+        )  # fmt: skip
+
+    def path(self, j: int) -> str:
+        return self._records.get(j)[0]
+
+    def row(self, j: int) -> Row:
+        path, text = self._records.get(j)
+        return Row(path, text, self.info(j))
+
+    def rows(self) -> list[Row]:
+        return [self.row(j) for j in range(len(self))]
+
+
+class _Columns:
+    """Grows the columns in compact arrays, converting and checking the metadata a chunk of rows at a
+    time with numpy (a million rows: the per-row Python work is what the start-up time is made of)."""
+
+    CHUNK = 1 << 13  # rows converted together: few numpy calls, a few MB of transient objects
+
+    def __init__(self, root: str, file: str):
+        self.root, self.file = root, file
+        self.ints, self.fps, self.flags = array("i"), array("d"), bytearray()
+        self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
+
+    def add(self, path: str, text: str, meta: tuple, line: int) -> None:
+        """``path`` as written (relative to the manifest's folder or absolute); ``meta`` the values of
+        num_frames, height, width, fps as read (None or "" where absent)."""
+        if not path:
+            raise ValueError(f"{self.file}:{line}: empty 'path'")
+        self._paths.append(path)
+        self._meta.append(meta)
+        self._lines.append(line)
+        self._captioned.append(bool(text))
+        if len(self._paths) == self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        raw = np.array(self._meta, dtype=object).reshape(-1, 4)  # (m, 4)
+        has_info = ~((raw == None) | (raw == "")).any(axis=1)  # noqa: E711 (elementwise)
+        values = np.full(raw.shape, np.nan)
+        try:
+            values[has_info] = raw[has_info].astype(np.float64)
+            n, h, w, fps = values[has_info].T
+            ok = (
+                np.isfinite(values[has_info]).all()
+                and min(n.min(initial=1), h.min(initial=1), w.min(initial=1)) >= 1
+            )
+            ok = ok and (fps > 0).all()
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:  # find the first bad row and name it, as a row-by-row read would
+            for m, line in zip(self._meta, self._lines):
+                info_from(dict(zip(COLUMNS[2:], m)), f"{self.file}:{line}")
+            raise AssertionError("a bad row passed info_from")  # pragma: no cover
+        ints = np.where(has_info[:, None], values[:, :3], 0).astype(
+            np.int32
+        )  # int(): as VideoInfo(int(n), ...)
+        self.ints.extend(ints.reshape(-1).tolist())
+        self.fps.extend(values[:, 3].tolist())
+        for p, has, captioned in zip(self._paths, has_info.tolist(), self._captioned):
+            # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
+            missing = has and not os.path.isfile(os.path.join(self.root, p))
+            self.flags.append(missing | (captioned << 1))
+        self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
+
+    def table(self, records) -> ManifestTable:
+        if self._paths:
+            self._flush()
+        ints = np.frombuffer(self.ints, dtype=np.int32).reshape(-1, 3)
+        flags = np.frombuffer(self.flags, dtype=np.uint8)
+        fps = np.frombuffer(self.fps, dtype=np.float64).copy()  # writable: probing fills it in
+        frames, height, width = (ints[:, k].copy() for k in range(3))
+        return ManifestTable(frames, height, width, fps, (flags & 1) > 0, (flags & 2) > 0, records)
+
+
+class _MemoryRecords:
+    def __init__(self, paths: list[str], texts: list[str]):
+        self.paths, self.texts = strings(paths), strings(texts)
+
+    def get(self, j: int) -> tuple[str, str]:
+        return tuple(b[o[j] : o[j + 1]].tobytes().decode("utf-8") for b, o in (self.paths, self.texts))
+
+
+class _FileRecords:
+    """Records of a manifest file, found again by byte offset. Opened per read, so DataLoader workers
+    (forked or spawned) never share a file position."""
+
+    def __init__(self, path: str):
+        self.file, self.root, self.offsets = path, os.path.dirname(os.path.abspath(path)), array("q")
+        self.jsonl = path.endswith(".jsonl")
+        self.fields: list[str] | None = None
+
+    def resolve(self, p: str) -> str:
+        return os.path.normpath(p if os.path.isabs(p) else os.path.join(self.root, p))
+
+    def scan(self):
+        """(byte offset, line number, path, text, (num_frames, height, width, fps)) of every row, streamed."""
+        with open(self.file, "rb") as f:
+            if self.jsonl:
+                yield from self._scan_jsonl(f)
+            else:
+                yield from self._scan_csv(f)
+
+    def _scan_jsonl(self, f):
+        offset = 0
+        for i, line in enumerate(f):
+            start, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{self.file}:{i + 1}: not valid JSON ({e}); one object per line") from e
+            if not isinstance(r, dict) or "path" not in r:
+                raise ValueError(f"{self.file}:{i + 1}: each line needs an object with a 'path' key")
+            meta = (r.get("num_frames"), r.get("height"), r.get("width"), r.get("fps"))
+            yield start, i + 1, str(r["path"] or ""), r.get("text"), meta
+
+    def _scan_csv(self, f):
+        starts = array("q", [0])  # byte offset of each physical line: a quoted field may span lines
+
+        def lines():
+            for line in f:
+                starts.append(starts[-1] + len(line))
+                yield line.decode("utf-8")
+
+        reader = csv.reader(lines())
+        self.fields = next(reader, None)
+        if not self.fields or "path" not in self.fields:
+            raise ValueError(
+                f"{self.file}: the CSV header needs a 'path' column (Open-Sora style: {','.join(COLUMNS)})"
+            )
+        # Column positions; a short row lacks the last ones (csv.DictReader's restval None).
+        at = [self.fields.index(c) if c in self.fields else 1 << 30 for c in COLUMNS]
+        while True:
+            first = reader.line_num  # physical lines read so far: the next record starts after them
+            values = next(reader, None)
+            if values is None:
+                return
+            if not values:
+                continue  # a blank line, as csv.DictReader skips it
+            n = len(values)
+            path, text, *meta = (values[k] if k < n else None for k in at)
+            yield starts[first], first + 1, path or "", text, tuple(meta)
+
+    def _record(self, values: list[str]) -> dict:
+        return {name: _padded(values)(k) for k, name in enumerate(self.fields)}
+
+    def get(self, j: int) -> tuple[str, str]:
+        with open(self.file, "rb") as f:
+            f.seek(int(self.offsets[j]))
+            if self.jsonl:
+                r = json.loads(f.readline())
+            else:
+                r = self._record(next(csv.reader(io.TextIOWrapper(f, encoding="utf-8", newline=""))))
+        return self.resolve(str(r["path"] or "")), str(r.get("text") or "")
+
+
+def _padded(values: list[str]):
+    """values[k], or None past the end of a short row."""
+    return lambda k: values[k] if k < len(values) else None

@@ -1,0 +1,91 @@
+"""Manifests as columns (data/manifest_table.py): the same rows as a parse into objects, none held per row."""
+
+import gc
+import json
+import os
+
+from data.build import build_dataset
+from data.clip_policy import ClipPolicy
+from data.manifest import Row, read_table
+from data.readers import VideoInfo
+from data.video_dataset import VideoDataset
+
+CSV = (
+    "path,text,num_frames,height,width,fps\n"
+    'a.mp4,"a dog, running",33,64,64,16\n'
+    "\n"  # a blank line: skipped, as csv.DictReader skips it
+    'sub/b.mp4,"two lines:\nand a ""quote""",9,32,48,8\n'
+    "c.mp4,,120,720,1280,29.97\n"
+    "d.mp4,too short,1,64,64,16\n"
+    "gone.mp4,missing,33,64,64,16\n"
+    "e.mp4,not probed\n"  # a short row: no metadata, probed at build
+    "a.mp4,the same file again,33,64,64,16\n"
+)
+
+
+def _files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("a.mp4", "sub/b.mp4", "c.mp4", "d.mp4", "e.mp4"):
+        (tmp_path / name).write_bytes(b"")  # rows with metadata are never opened while building
+    (tmp_path / "m.csv").write_text(CSV)
+    with open(tmp_path / "m.jsonl", "w") as f:
+        for r in read_table(tmp_path / "m.csv").rows():
+            rec = {"path": os.path.relpath(r.path, tmp_path), "text": r.text}
+            if r.info:
+                rec.update(
+                    num_frames=r.info.num_frames, height=r.info.height, width=r.info.width, fps=r.info.fps
+                )
+            f.write(json.dumps(rec) + "\n")
+
+
+def _expected(root):
+    rows = [
+        ("a.mp4", "a dog, running", VideoInfo(33, 64, 64, 16.0)),
+        ("sub/b.mp4", 'two lines:\nand a "quote"', VideoInfo(9, 32, 48, 8.0)),
+        ("c.mp4", "", VideoInfo(120, 720, 1280, 29.97)),
+        ("d.mp4", "too short", VideoInfo(1, 64, 64, 16.0)),
+        ("gone.mp4", "missing", VideoInfo(33, 64, 64, 16.0)),
+        ("e.mp4", "not probed", None),
+        ("a.mp4", "the same file again", VideoInfo(33, 64, 64, 16.0)),
+    ]
+    return [Row(os.path.join(root, p), t, i) for p, t, i in rows]
+
+
+def test_csv_and_jsonl_tables_give_the_rows_and_the_dataset_of_a_row_list(tmp_path):
+    """Quoted commas, a caption spanning two lines, a blank line, a short row, a repeated file: each row
+    read back by its byte offset. Planted an off-by-one in the CSV record offsets (starts[first + 1]) ->
+    the rows after the first come back shifted and this fails."""
+    _files(tmp_path)
+    expected = _expected(str(tmp_path))
+    for name in ("m.csv", "m.jsonl"):
+        table = read_table(tmp_path / name)
+        assert table.rows() == expected, name
+        assert table.missing.tolist() == [False, False, False, False, True, False, False]
+        assert table.captioned.tolist() == [True, True, False, True, True, True, True]
+    # The dataset over the table equals the dataset over the same rows as objects (the folder path),
+    # the unprobed empty file counted as failed, the missing one as missing, the 1-frame one as skipped.
+    policy = dict(fps=8, max_frames=9, min_frames=5, resolution=32, vae_stride=(4, 8, 8), patch=(1, 2, 2))
+    build = dict(max_failure_share=1.0, progress=False, probe_workers=1)
+    a = VideoDataset(read_table(tmp_path / "m.csv"), ClipPolicy(**policy), **build)
+    b = VideoDataset(expected, ClipPolicy(**policy), **build)
+    c = build_dataset(str(tmp_path / "m.jsonl"), **policy, **build)
+    for ds in (a, b, c):
+        assert [ds.path(i) for i in range(len(ds))] == [expected[j].path for j in (0, 1, 2, 6)]
+        assert [ds.caption(i) for i in range(len(ds))] == [expected[j].text for j in (0, 1, 2, 6)]
+        assert [ds.meta(i) for i in range(len(ds))] == [b.meta(i) for i in range(len(b))]
+        assert [ds.info(i) for i in range(len(ds))] == [expected[j].info for j in (0, 1, 2, 6)]
+        assert ds.failures.failed == {expected[4].path: "missing_file", expected[5].path: "zero_bytes"}
+        assert ds.failures.skipped == {expected[3].path: "too_short"}
+
+
+def test_a_manifest_dataset_holds_no_object_per_row(tmp_path):
+    """Planted `self.rows = table.rows()` in VideoDataset.__init__ -> 2,000 Row objects stay alive and this
+    fails; so does keeping the old list of (Row, ClipMeta) items."""
+    (tmp_path / "a.mp4").write_bytes(b"")
+    lines = [f"a.mp4,clip {i},{1 + 4 * (i % 9)},64,{64 + 16 * (i % 3)},16\n" for i in range(2000)]
+    (tmp_path / "m.csv").write_text("path,text,num_frames,height,width,fps\n" + "".join(lines))
+    ds = build_dataset(str(tmp_path / "m.csv"), fps=16, progress=False)
+    gc.collect()
+    assert len(ds) == 2000 and ds.caption(1234) == "clip 1234"
+    assert sum(isinstance(o, Row) for o in gc.get_objects()) == 0
+    assert ds.meta(1234).num_frames == 1 + 4 * (1234 % 9)
