@@ -62,13 +62,18 @@ def _decord():
     return decord
 
 
-def _backend(backend: str) -> str:
+def check_backend(backend: str) -> str:
+    """The reader ``backend`` names ('auto': the first installed); a ``ValueError`` naming the fix when
+    it is unknown or not installed. Datasets call it when built, before any file is read or written."""
     if backend not in BACKENDS:
         raise ValueError(f"reader backend {backend!r} is unknown; use one of {BACKENDS}")
     if backend == "auto":
         return "decord" if _decord() is not None else "pyav"
     if backend == "decord" and _decord() is None:
-        raise ValueError("reader backend 'decord' requested but decord is not installed; use 'pyav'")
+        raise ValueError(
+            "reader backend 'decord' is set (data.options.backend, --option backend=) but decord is not "
+            "installed: pip install decord (x86_64 Linux wheels only), or set the backend to 'pyav' or 'auto'"
+        )
     return backend
 
 
@@ -214,7 +219,7 @@ def probe(path: str | os.PathLike, backend: str = "auto") -> VideoInfo:
     """Frame count, size and fps of a file, without decoding more than the first frame."""
     path = str(path)
     _check_file(path)
-    backend = _backend(backend)
+    backend = check_backend(backend)
     if _is_image(path):
         return _probe_image(path)
     try:
@@ -237,7 +242,7 @@ def read_frames(path: str | os.PathLike, indices: list[int], backend: str = "aut
     if not indices:
         raise ValueError("read_frames needs at least one frame index")
     _check_file(path)
-    backend = _backend(backend)
+    backend = check_backend(backend)
     if _is_image(path):
         if max(indices) > 0:
             raise VideoReadError(path, "too_few_frames", f"needs frame {max(indices)} of a still image")

@@ -19,7 +19,7 @@ from data.clip_policy import ClipPolicy, ClipSkip
 from data.failures import FailureLog
 from data.manifest import Row
 from data.manifest_table import ManifestTable
-from data.readers import VideoInfo, VideoReadError, read_frames
+from data.readers import VideoInfo, VideoReadError, check_backend, read_frames
 from data.scan import probe_rows
 from data.types import ClipMeta
 
@@ -45,6 +45,7 @@ class VideoDataset(Dataset):
         progress: bool = True,
     ):
         self.policy = policy or ClipPolicy()
+        check_backend(backend)  # a reader that is not installed: one line now, not in a DataLoader worker
         self.backend = backend
         table = rows if isinstance(rows, ManifestTable) else ManifestTable.from_rows(rows)
         self.table = table
