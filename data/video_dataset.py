@@ -45,7 +45,8 @@ class VideoDataset(Dataset):
         progress: bool = True,
     ):
         self.policy = policy or ClipPolicy()
-        check_backend(backend)  # a reader that is not installed: one line now, not in a DataLoader worker
+        if backend != "auto":  # 'auto' falls back to PyAV, and imports no decoder before the first decode
+            check_backend(backend)  # a reader that is not installed: one line now, not in a DataLoader worker
         self.backend = backend
         table = rows if isinstance(rows, ManifestTable) else ManifestTable.from_rows(rows)
         self.table = table
