@@ -7,6 +7,8 @@ Files are encoded first with imageio-ffmpeg's ffmpeg (H.264 mp4 and VP9 webm, mo
 Readers, each given the same frame indices:
 - ours/decord: ``data.readers.read_frames(backend="decord")``, the default where decord is installed;
 - ours/pyav:   ``read_frames(backend="pyav")``, our fallback: seeks to the keyframe before the clip;
+- ours/tcodec: ``read_frames(backend="torchcodec")`` where torchcodec loads (an optional extra, README),
+  else n/a: its exact seek mode scans the file's packets, then decodes from the keyframe before each frame;
 - PyAV loop:   open, decode from the start, keep the wanted frames, stop after the last one (the usual
   loop in video training code). Ratios are ours / PyAV loop, from the same run.
 Two workloads: clip (what training does: --clip-frames frames at half the source rate from the
@@ -31,7 +33,7 @@ import av  # noqa: E402
 import numpy as np  # noqa: E402
 
 from data.media import make_video  # noqa: E402
-from data.readers import probe, read_frames  # noqa: E402
+from data.readers import _torchcodec, probe, read_frames  # noqa: E402
 
 
 def pyav_frames(path: str, indices: list[int]) -> np.ndarray:
@@ -70,8 +72,10 @@ def main() -> None:
     folder = args.dir or tempfile.mkdtemp(prefix="bench_decode_")
     print(f"files: {w}x{h}, {n} frames at {args.fps} fps, keyframe every {args.gop} frames, in {folder}")
     print(f"median of {args.repeats} runs; frames per second delivered as RGB arrays")
-    cols = ("codec", "workload", "frames", "ours/decord", "ours/pyav", "PyAV loop", "decord x", "pyav x")
-    print("{:<6} {:<8} {:>6} {:>12} {:>10} {:>10} {:>9} {:>7}".format(*cols))
+    cols = ("codec", "workload", "frames", "ours/decord", "ours/pyav", "ours/tcodec", "PyAV loop")
+    cols += ("decord x", "pyav x", "tcodec x")
+    print("{:<6} {:<8} {:>6} {:>12} {:>10} {:>12} {:>10} {:>9} {:>7} {:>9}".format(*cols))
+    has_torchcodec = _torchcodec() is not None
     for ext in (".mp4", ".webm"):
         path = os.path.join(folder, f"bench{ext}")
         if not os.path.exists(path):
@@ -84,10 +88,16 @@ def main() -> None:
         for name, idx in (("clip", clip), ("full", full)):
             fd = len(idx) / timed(args.repeats, read_frames, path, idx, "decord")
             fp = len(idx) / timed(args.repeats, read_frames, path, idx, "pyav")
+            ft = (
+                len(idx) / timed(args.repeats, read_frames, path, idx, "torchcodec")
+                if has_torchcodec
+                else None
+            )
             fb = len(idx) / timed(args.repeats, pyav_frames, path, idx)
             codec = "H.264" if ext == ".mp4" else "VP9"
-            row = f"{codec:<6} {name:<8} {len(idx):>6} {fd:>12.0f} {fp:>10.0f} {fb:>10.0f}"
-            print(f"{row} {fd / fb:>8.2f}x {fp / fb:>6.2f}x")
+            tc, tcx = (f"{ft:>12.0f}", f"{ft / fb:>8.2f}x") if ft else (f"{'n/a':>12}", f"{'n/a':>9}")
+            row = f"{codec:<6} {name:<8} {len(idx):>6} {fd:>12.0f} {fp:>10.0f} {tc} {fb:>10.0f}"
+            print(f"{row} {fd / fb:>8.2f}x {fp / fb:>6.2f}x {tcx}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from data.clip_policy import ClipPolicy
 POLICY_OPTIONS = tuple(f.name for f in dataclasses.fields(ClipPolicy))
 LOADING_OPTIONS = {
     "max_failure_share": "share of broken files above which the run stops (default 0.05)",
-    "backend": "video reader: 'auto' (decord, else PyAV), 'decord' or 'pyav'",
+    "backend": "video reader: 'auto' (torchcodec, else decord, else PyAV), 'torchcodec', 'decord' or 'pyav'",
     "probe_workers": "threads that probe files lacking metadata (default 8)",
     "progress": "show a progress bar while probing (default True)",
     "plugin_args": "dict of keyword arguments for a plug-in class",

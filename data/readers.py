@@ -1,4 +1,6 @@
-"""Video readers: probe metadata and decode frames *by index* (decord first, PyAV as the fallback).
+"""Video readers: probe metadata and decode frames *by index*: torchcodec, decord or PyAV.
+
+``auto`` picks the first installed in that order, fastest first at the clip workload (docs/data.md).
 
 Only the frames a clip needs are decoded: decord seeks to them, PyAV stops at the last one needed.
 Every failure surfaces as ``VideoReadError`` with the path and a short reason, so callers can
@@ -7,6 +9,7 @@ skip, count and log it instead of crashing (see data/failures.py).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from fractions import Fraction
@@ -16,7 +19,7 @@ import numpy as np
 
 from data.native_stderr import QUIET_NATIVE_STDERR
 
-BACKENDS = ("auto", "decord", "pyav")
+BACKENDS = ("auto", "decord", "pyav", "torchcodec")
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")  # a still image is a one-frame clip
 
 
@@ -62,17 +65,35 @@ def _decord():
     return decord
 
 
+@functools.cache  # a wheel that cannot load its libraries would retry them on every clip
+def _torchcodec():
+    """torchcodec's decoders, or None where it is not installed or cannot load (an optional extra: it
+    needs system FFmpeg libraries, and its PyPI wheels from 0.14 on link CUDA's libraries; README)."""
+    try:
+        return import_module("torchcodec.decoders")
+    except Exception:  # ImportError, or RuntimeError/OSError from loading its native libraries
+        return None
+
+
 def check_backend(backend: str) -> str:
     """The reader ``backend`` names ('auto': the first installed); a ``ValueError`` naming the fix when
     it is unknown or not installed. Datasets call it when built, before any file is read or written."""
     if backend not in BACKENDS:
         raise ValueError(f"reader backend {backend!r} is unknown; use one of {BACKENDS}")
-    if backend == "auto":
+    if backend == "auto":  # fastest first at the clip workload (docs/data.md "Decode speed")
+        if _torchcodec() is not None:
+            return "torchcodec"
         return "decord" if _decord() is not None else "pyav"
     if backend == "decord" and _decord() is None:
         raise ValueError(
             "reader backend 'decord' is set (data.options.backend, --option backend=) but decord is not "
             "installed: pip install decord (x86_64 Linux wheels only), or set the backend to 'pyav' or 'auto'"
+        )
+    if backend == "torchcodec" and _torchcodec() is None:
+        raise ValueError(
+            "reader backend 'torchcodec' is set (data.options.backend, --option backend=) but torchcodec is "
+            "not installed or cannot load its FFmpeg libraries: see README.md (optional extra), or set the "
+            "backend to 'pyav' or 'auto'"
         )
     return backend
 
@@ -184,6 +205,37 @@ def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
     return np.stack([got[i] for i in indices])
 
 
+# ---------------------------------------------------------------- torchcodec
+
+
+def _torchcodec_decoder(path: str):
+    try:
+        with QUIET_NATIVE_STDERR:
+            # exact seek mode scans the file once: frame counts and indices then match PyAV's
+            return _torchcodec().VideoDecoder(path, device="cpu", seek_mode="exact", num_ffmpeg_threads=1)
+    except Exception as e:  # RuntimeError with the C++ source location first
+        raise VideoReadError(path, "not_a_video_or_corrupt", str(e).splitlines()[0][-200:]) from e
+
+
+def _probe_torchcodec(path: str) -> VideoInfo:
+    m = _torchcodec_decoder(path).metadata
+    # the header's rate, as PyAV reports it (torchcodec's average_fps divides by a rounded duration)
+    fps = m.average_fps_from_header or m.average_fps or 0.0
+    return VideoInfo(int(m.num_frames or 0), int(m.height or 0), int(m.width or 0), float(fps))
+
+
+def _read_torchcodec(path: str, indices: list[int]) -> np.ndarray:
+    decoder = _torchcodec_decoder(path)
+    if max(indices) >= len(decoder):
+        raise VideoReadError(path, "too_few_frames", f"needs frame {max(indices)}, file has {len(decoder)}")
+    try:
+        with QUIET_NATIVE_STDERR:
+            frames = decoder.get_frames_at(indices).data  # (f, 3, h, w) uint8
+    except Exception as e:
+        raise VideoReadError(path, "decode_error", str(e).splitlines()[0][-200:]) from e
+    return frames.permute(0, 2, 3, 1).numpy()  # (f, h, w, 3)
+
+
 # ---------------------------------------------------------------- still images
 
 
@@ -222,10 +274,11 @@ def probe(path: str | os.PathLike, backend: str = "auto") -> VideoInfo:
     backend = check_backend(backend)
     if _is_image(path):
         return _probe_image(path)
+    probers = {"decord": _probe_decord, "torchcodec": _probe_torchcodec, "pyav": _probe_pyav}
     try:
-        info = _probe_decord(path) if backend == "decord" else _probe_pyav(path)
+        info = probers[backend](path)
     except VideoReadError:
-        if backend == "decord":  # decord rejects some containers PyAV reads: try before giving up
+        if backend != "pyav":  # decord rejects some containers PyAV reads: try before giving up
             info = _probe_pyav(path)
         else:
             raise
@@ -247,11 +300,11 @@ def read_frames(path: str | os.PathLike, indices: list[int], backend: str = "aut
         if max(indices) > 0:
             raise VideoReadError(path, "too_few_frames", f"needs frame {max(indices)} of a still image")
         return np.stack([_read_image(path)] * len(indices))
-    if backend == "decord":
+    if backend != "pyav":
         try:
-            return _read_decord(path, indices)
+            return (_read_decord if backend == "decord" else _read_torchcodec)(path, indices)
         except VideoReadError as e:
             if e.reason == "too_few_frames":
                 raise
-            return _read_pyav(path, indices)  # decord failed to open/decode: PyAV may still manage
+            return _read_pyav(path, indices)  # failed to open/decode: PyAV may still manage
     return _read_pyav(path, indices)

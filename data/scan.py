@@ -19,7 +19,7 @@ from tqdm import tqdm
 from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
 from data.manifest import Row, list_folder, read_manifest, write_manifest
-from data.readers import VideoReadError, probe
+from data.readers import BACKENDS, VideoReadError, probe
 
 
 def read_rows(source: str) -> list[Row]:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl manifest")
     ap.add_argument("--out", required=True, help="output manifest, .csv or .jsonl")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--backend", default="auto", choices=("auto", "decord", "pyav"))
+    ap.add_argument("--backend", default="auto", choices=BACKENDS)
     ap.add_argument("--rescan", action="store_true", help="probe rows that already have metadata too")
     add_debug_flag(ap)
     args = ap.parse_args(argv)

@@ -34,6 +34,21 @@ def test_a_reader_that_is_not_installed_is_one_line_before_anything_is_written(t
     assert not out.exists()  # nothing half-written
 
 
+def test_torchcodec_that_cannot_load_is_one_line(tmp_path, monkeypatch):
+    """torchcodec hidden as above (its PyPI wheels from 0.14 on fail the same way on a CPU-only torch).
+    Planted: the torchcodec branch removed from check_backend -> the dataset builds and this fails."""
+    from data import readers
+
+    monkeypatch.setitem(sys.modules, "torchcodec", None)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
+    readers._torchcodec.cache_clear()
+    monkeypatch.setattr(readers, "_torchcodec", readers._torchcodec.__wrapped__)  # not cached while hidden
+    (tmp_path / "a.mp4").write_bytes(b"")
+    (tmp_path / "m.csv").write_text("path,text,num_frames,height,width,fps\na.mp4,a dog,9,32,32,8\n")
+    with pytest.raises(ValueError, match=r"torchcodec is not installed or cannot load .* README.md"):
+        build_dataset(str(tmp_path / "m.csv"), backend="torchcodec", progress=False)
+
+
 def _snapshot(folder):
     return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
 

@@ -6,7 +6,15 @@ import pytest
 from _data_media import CLIPS, LEVEL, frame_indices, make_clips, make_indexed_video
 
 from data.media import make_video
-from data.readers import VideoReadError, probe, read_frames
+from data.readers import VideoReadError, _torchcodec, probe, read_frames
+
+# An optional extra (README): the tests that need it are skipped, with this reason, where it cannot load.
+TORCHCODEC = pytest.param(
+    "torchcodec",
+    marks=pytest.mark.skipif(
+        _torchcodec() is None, reason="torchcodec is not installed or cannot load its FFmpeg libraries"
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +22,7 @@ def clips(tmp_path_factory):
     return make_clips(str(tmp_path_factory.mktemp("clips")), captions=False)
 
 
-@pytest.mark.parametrize("backend", ["decord", "pyav"])
+@pytest.mark.parametrize("backend", ["decord", "pyav", TORCHCODEC])
 def test_probe_reads_true_metadata(clips, backend):
     for path, (_, w, h, fps, n) in zip(clips, CLIPS):
         info = probe(path, backend)
@@ -43,7 +51,7 @@ def test_frames_by_index_match_sequential_decode(clips, tmp_path):
 
 
 @pytest.mark.parametrize("ext", [".mp4", ".webm"])
-@pytest.mark.parametrize("backend", ["decord", "pyav"])
+@pytest.mark.parametrize("backend", ["decord", "pyav", TORCHCODEC])
 def test_frames_by_index_are_exactly_the_requested_frames(tmp_path, ext, backend):
     """Frame i of this clip is grey LEVEL * i, so each returned frame names its own index: an
     off-by-one reader fails here, where the mean difference of neighbouring test-pattern frames
@@ -54,6 +62,24 @@ def test_frames_by_index_are_exactly_the_requested_frames(tmp_path, ext, backend
         got = read_frames(path, picks, backend)
         assert frame_indices(got) == picks, (backend, picks, [float(f.mean()) for f in got])
         assert all(abs(float(f.mean()) - LEVEL * i) < LEVEL / 4 for f, i in zip(got, picks))
+
+
+@pytest.mark.parametrize("backend", [TORCHCODEC])
+def test_torchcodec_frames_equal_pyav_frames(clips, tmp_path, backend):
+    """The same frame indices through torchcodec and through PyAV, on H.264 and VP9 files made with
+    imageio-ffmpeg's ffmpeg, with short keyframe intervals so both seek: equal bit for bit (the same
+    FFmpeg decoders and RGB conversion), and the same metadata. Planted an off-by-one in
+    _read_torchcodec (indices + 1) -> fails."""
+    gops = [make_video(tmp_path / f"gop{ext}", 32, 24, 25, 40, gop=8) for ext in (".mp4", ".webm")]
+    for path in clips + gops:
+        n = probe(path, "pyav").num_frames
+        assert probe(path, "torchcodec") == probe(path, "pyav"), path
+        for picks in ([n - 1, 0, n // 2, n // 2], [n // 2, n - 1], list(range(n))):
+            a, b = read_frames(path, picks, "torchcodec"), read_frames(path, picks, "pyav")
+            assert a.dtype == b.dtype == np.uint8 and a.shape == b.shape and (a == b).all(), (path, picks)
+        with pytest.raises(VideoReadError) as e:
+            read_frames(path, [0, n], "torchcodec")
+        assert e.value.reason == "too_few_frames"
 
 
 def test_reading_past_the_end_is_a_counted_error(clips):
@@ -102,7 +128,7 @@ def test_planning_imports_no_video_decoder(tmp_path):
         "import data.cache, data.cache_dataset, data.scan, dit.batching, dynamic_cp.planning.planner\n"
         f"ds = build_dataset({str(tmp_path / 'm.csv')!r}, progress=False)\n"
         "assert ds.meta(0).num_frames == 33\n"
-        "print(sorted(m for m in ('av', 'decord') if m in sys.modules))\n"
+        "print(sorted(m for m in ('av', 'decord', 'torchcodec') if m in sys.modules))\n"
     )
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
