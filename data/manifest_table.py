@@ -234,3 +234,33 @@ class _FileRecords:
 def _padded(values: list[str]):
     """values[k], or None past the end of a short row."""
     return lambda k: values[k] if k < len(values) else None
+
+
+def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarray, np.ndarray, list]:
+    """The clip policy's shape of each of ``rows`` (table rows with metadata) -> (the rows it keeps,
+    their (frames, height, width) as an (n, 3) int32 array, [(row, ClipSkip)] of the rows it rejects).
+
+    The policy runs once per distinct source metadata (a million clips share far fewer (frames,
+    height, width, fps)), in chunks, so the sort that finds the distinct rows never copies every row."""
+    from data.clip_policy import ClipSkip
+
+    t, plans = table, {}  # (frames, height, width, fps) -> ClipMeta or ClipSkip
+    metas = np.zeros((len(rows), 3), dtype=np.int32)  # -1: the policy skips the row
+    for start in range(0, len(rows), 1 << 16):
+        r = rows[start : start + (1 << 16)]
+        source = np.stack([t.frames[r], t.height[r], t.width[r], t.fps[r]], axis=1)  # (m, 4)
+        distinct, inverse = np.unique(source, axis=0, return_inverse=True)
+        planned = np.zeros((len(distinct), 3), dtype=np.int32)
+        for u, (n, h, w, fps) in enumerate(distinct.tolist()):
+            if (n, h, w, fps) not in plans:
+                try:
+                    plans[n, h, w, fps] = policy.plan(VideoInfo(int(n), int(h), int(w), fps))
+                except ClipSkip as e:
+                    plans[n, h, w, fps] = e
+            m = plans[n, h, w, fps]
+            planned[u] = (-1, -1, -1) if isinstance(m, ClipSkip) else (m.num_frames, m.height, m.width)
+        metas[start : start + len(r)] = planned[inverse.reshape(-1)]
+    ok = metas[:, 0] > 0
+    skipped = [(j, plans[t.frames[j].item(), t.height[j].item(), t.width[j].item(), t.fps[j].item()])
+               for j in rows[~ok].tolist()]  # fmt: skip
+    return rows[ok], metas[ok], skipped

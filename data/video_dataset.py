@@ -15,10 +15,10 @@ import logging
 import numpy as np
 from torch.utils.data import Dataset
 
-from data.clip_policy import ClipPolicy, ClipSkip
+from data.clip_policy import ClipPolicy
 from data.failures import FailureLog
 from data.manifest import Row
-from data.manifest_table import ManifestTable
+from data.manifest_table import ManifestTable, plan_rows
 from data.readers import VideoInfo, VideoReadError, check_backend, read_frames
 from data.scan import probe_rows
 from data.types import ClipMeta
@@ -84,30 +84,10 @@ class VideoDataset(Dataset):
             )
 
     def _plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The policy's shape of each row, planned once per distinct source metadata (a million clips
-        share far fewer (frames, height, width, fps)); rows it rejects are counted as skips. In chunks,
-        so the sort that finds the distinct rows never copies every row at once."""
-        t, plans = self.table, {}  # (frames, height, width, fps) -> ClipMeta or ClipSkip
-        metas = np.zeros((len(rows), 3), dtype=np.int32)  # -1: the policy skips the row
-        for start in range(0, len(rows), 1 << 16):
-            r = rows[start : start + (1 << 16)]
-            source = np.stack([t.frames[r], t.height[r], t.width[r], t.fps[r]], axis=1)  # (m, 4)
-            distinct, inverse = np.unique(source, axis=0, return_inverse=True)
-            planned = np.zeros((len(distinct), 3), dtype=np.int32)
-            for u, (n, h, w, fps) in enumerate(distinct.tolist()):
-                if (n, h, w, fps) not in plans:
-                    try:
-                        plans[n, h, w, fps] = self.policy.plan(VideoInfo(int(n), int(h), int(w), fps))
-                    except ClipSkip as e:
-                        plans[n, h, w, fps] = e
-                m = plans[n, h, w, fps]
-                planned[u] = (-1, -1, -1) if isinstance(m, ClipSkip) else (m.num_frames, m.height, m.width)
-            metas[start : start + len(r)] = planned[inverse.reshape(-1)]
-        ok = metas[:, 0] > 0
-        for j in rows[~ok].tolist():
-            e = plans[t.frames[j].item(), t.height[j].item(), t.width[j].item(), t.fps[j].item()]
-            self.failures.skip(t.path(j), e.reason, e.detail)
-        return rows[ok], metas[ok]
+        kept, metas, skipped = plan_rows(self.table, rows, self.policy)
+        for j, e in skipped:
+            self.failures.skip(self.table.path(j), e.reason, e.detail)
+        return kept, metas
 
     @property
     def vae_stride(self) -> tuple[int, int, int]:

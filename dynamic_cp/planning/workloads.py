@@ -108,8 +108,10 @@ def read_manifest(path: str, policy_options: dict | None = None) -> list[int]:
     """Tokens per clip of a CSV/JSONL manifest (Open-Sora columns path,text,num_frames,height,width,fps),
     after the same clip policy training applies (``data.options``: fps, max_frames, resolution, ...),
     so the simulation sees the clips the trainer will. Rows the policy rejects are left out."""
-    from data.clip_policy import ClipPolicy, ClipSkip
-    from data.manifest import read_manifest as read_rows
+    from data.clip_policy import ClipPolicy
+    from data.manifest import read_table
+    from data.manifest_table import plan_rows
+    from data.types import ClipMeta
 
     if not Path(path).exists():
         raise ValueError(f"manifest {path} does not exist")
@@ -120,17 +122,15 @@ def read_manifest(path: str, policy_options: dict | None = None) -> list[int]:
             f"unknown clip-policy option {sorted(set(options) - valid)[0]!r}; valid: {sorted(valid)}"
         )
     policy = ClipPolicy(**options)
-    out = []
-    for row in read_rows(path):
-        if row.info is None:
-            raise ValueError(
-                f"manifest {path} needs columns num_frames, height, width and fps for {row.path}; "
-                "run python -m data.scan to fill them in"
-            )
-        try:
-            out.append(policy.tokens(policy.plan(row.info)))
-        except ClipSkip:
-            continue
+    table = read_table(path)  # columns: a million-row manifest without a million Row objects
+    if not table.has_info.all():
+        j = int(np.flatnonzero(~table.has_info)[0])
+        raise ValueError(
+            f"manifest {path} needs columns num_frames, height, width and fps for {table.path(j)}; "
+            "run python -m data.scan to fill them in"
+        )
+    _, metas, _ = plan_rows(table, np.arange(len(table)), policy)  # rows the policy rejects: left out
+    out = [policy.tokens(ClipMeta(*m)) for m in metas.tolist()]
     if not out:
         raise ValueError(f"manifest {path} has no rows the clip policy keeps")
     return out
