@@ -48,7 +48,7 @@ class ManifestTable:
 
     @classmethod
     def from_rows(cls, rows: list[Row]) -> ManifestTable:
-        columns = _Columns("/", "rows")
+        columns = _Columns("", "rows")  # Row paths are absolute, or relative to the working directory
         for i, r in enumerate(rows):
             meta = (
                 (None,) * 4
@@ -197,7 +197,13 @@ class _FileRecords:
         def lines():
             for line in f:
                 starts.append(starts[-1] + len(line))
-                yield line.decode("utf-8")
+                try:
+                    yield line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"{self.file}:{len(starts) - 1}: not UTF-8 text ({e.reason} at byte "
+                        f"{starts[-2] + e.start}); save it as UTF-8"
+                    ) from None
 
         reader = csv.reader(lines())
         self.fields = next(reader, None)

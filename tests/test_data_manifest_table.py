@@ -89,3 +89,13 @@ def test_a_manifest_dataset_holds_no_object_per_row(tmp_path):
     assert len(ds) == 2000 and ds.caption(1234) == "clip 1234"
     assert sum(isinstance(o, Row) for o in gc.get_objects()) == 0
     assert ds.meta(1234).num_frames == 1 + 4 * (1234 % 9)
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_line_and_file_offset(tmp_path):
+    """The manifest is read line by line as bytes: the error names the line and the byte in the file
+    (planted: the offset within the line -> fails)."""
+    import pytest
+
+    (tmp_path / "m.csv").write_bytes(b"path,text\na.mp4,caf\xe9\n")
+    with pytest.raises(ValueError, match=r"m.csv:2: not UTF-8 text \(.* at byte 19\); save it as UTF-8"):
+        read_table(tmp_path / "m.csv")
