@@ -89,7 +89,12 @@ TARGETS: dict[str, list[str]] = {
     ],
     "dynamic_cp/runtime/fsdp.py": ["tests/test_fsdp_one_rank.py", *_FSDP_PURE],
     "dynamic_cp/runtime/fsdp_checkpoint.py": ["tests/test_fsdp_checkpoint_one_rank.py"],
-    "dit/lora.py": ["tests/test_lora_files.py", "tests/test_lora_scale.py"],
+    "dit/lora.py": [
+        "tests/test_lora_files.py",
+        "tests/test_lora_scale.py",
+        "tests/test_lora_edges.py",
+        "tests/test_wan_i2v.py::test_lora_loads_into_diffusers_i2v_without_missing_keys",
+    ],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
     "dit/optim.py": ["tests/test_optim.py"],
     "dit/sampling.py": ["tests/test_sampling_steps.py", "tests/test_sampling_guidance.py"],
