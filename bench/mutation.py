@@ -97,7 +97,11 @@ TARGETS: dict[str, list[str]] = {
     ],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
     "dit/optim.py": ["tests/test_optim.py"],
-    "dit/sampling.py": ["tests/test_sampling_steps.py", "tests/test_sampling_guidance.py"],
+    "dit/sampling.py": [
+        "tests/test_sampling_steps.py",
+        "tests/test_sampling_guidance.py",
+        "tests/test_sampling_wan22_steps.py",
+    ],
     "dit/config.py": ["tests/test_config_validation.py", "tests/test_config.py", "tests/test_config_cli.py"],
     "sample.py": ["tests/test_sample_cli.py"],
 }
