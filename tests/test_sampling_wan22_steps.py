@@ -14,6 +14,7 @@ x makes the Euler steps exact), with per-token timesteps recorded.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +152,14 @@ def test_a_side_of_exactly_one_stride_makes_one_latent_row():
     assert sampling.request_grid(request(frames=1, height=8, width=16), (1, 1, 1), (4, 8, 8)) == (1, 1, 2)
 
 
+def test_height_and_width_each_take_their_own_stride():
+    """A VAE whose spatial strides differ (2 down, 4 across). Planted: the height checked against
+    the width's stride -> fails."""
+    assert sampling.request_grid(request(frames=1, height=4, width=8), (1, 1, 1), (1, 2, 4)) == (1, 2, 2)
+    with pytest.raises(ValueError, match="multiples of the VAE stride \\(2, 4\\), got 4x6"):
+        sampling.request_grid(request(frames=1, height=4, width=6), (1, 1, 1), (1, 2, 4))
+
+
 # --- the one-process queue ------------------------------------------------------------------------
 
 
@@ -163,3 +172,38 @@ def test_sample_queue_defaults_to_8_fps_no_enlarging_and_no_skip_message(tmp_pat
     rate, frames = _read(paths[0])
     assert rate == 8 and frames[0].shape == (2, 4, 3)
     assert math.prod(frames[0].shape) == 24
+
+
+def test_write_video_defaults_and_its_temporary_folder_beside_the_clip(tmp_path, monkeypatch):
+    """``write_video(video, path)``: 8 fps, not enlarged, written under a hidden folder of the clip's
+    own directory (a killed job's leftovers are where ``remove_partials`` looks, and the final rename
+    never crosses file systems). ``frame_grid`` does not enlarge by default. Planted: fps 9, upscale
+    2, the temporary folder made in the system's temp directory -> fails."""
+    import imageio.v2 as imageio
+
+    video = torch.zeros(3, 2, 2, 4)
+    seen = []
+    real = imageio.mimwrite
+
+    def spy(tmp, frames, **kw):
+        seen.append(Path(tmp))
+        return real(tmp, frames, **kw)
+
+    monkeypatch.setattr(imageio, "mimwrite", spy)
+    out = tmp_path / "clips" / "a.mp4"
+    assert sampling.write_video(video, out) == out
+    assert seen[0].parent.parent == out.parent and seen[0].parent.name.startswith(sampling.PARTIAL_PREFIX)
+    rate, frames = _read(out)
+    assert rate == 8 and len(frames) == 2 and frames[0].shape == (2, 4, 3)
+    assert sampling.frame_grid([video]).shape == (2, 2 * 4, 3)
+
+
+def test_the_i2v_mask_has_one_channel_per_frame_of_the_vaes_temporal_stride():
+    """A VAE of temporal stride 2 and no spatial stride: in_channels 2 c + 2. Planted: the mask sized
+    by the height's stride -> fails."""
+    from types import SimpleNamespace
+
+    model = ConstantVelocity(in_channels=2 * C + 2)
+    vae = SimpleNamespace(stride=(2, 1, 1))
+    cond = sampling.checked_conditioning(model, vae, request(frames=3, height=2, width=2), _image(2, 2), None)
+    assert cond is not None and cond.temporal == 2 and not cond.last_frame
