@@ -5,7 +5,8 @@ against a degree fixed at launch. Two parts, ratios from one run each:
     python bench/bench_sampling.py --part simulated      # the cost-model part only (seconds)
 
 measured  CPU, 2 gloo ranks, one thread each; a small random VideoDiT in pixel space and a queue of
-          9 requests of 1-17 frames and 16-48 px (one long clip and eight short ones), guided,
+          one long clip (17 frames, 48x48) and --short N short ones (default 16, 1-9 frames,
+          16-48 px a side, drawn from a seeded generator), guided,
           4 steps. Wall time of the whole queue: one process (one thread), fixed CP 1 (data
           parallel), fixed CP 2 and the planner's plan (priced by the CPU profile that training's
           parallel.hardware=auto measures at start-up). The clips of every run are checked equal to
@@ -31,25 +32,22 @@ import torch  # noqa: E402
 
 from dit.sample_requests import SampleRequest  # noqa: E402
 
-# (frames, height, width): one long clip, eight short ones (pixel space, patch 1x2x2)
-SHAPES = [
-    (17, 48, 48),
-    (1, 16, 16),
-    (5, 24, 16),
-    (9, 16, 32),
-    (3, 32, 32),
-    (1, 48, 32),
-    (7, 16, 24),
-    (5, 32, 16),
-    (2, 24, 24),
-]
+
+# (frames, height, width): one long clip, then short ones drawn from a seeded generator (pixel
+# space, patch 1x2x2): 1-9 frames, 16-48 px a side
+def shapes(short: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(0)
+    sides = [16, 24, 32, 40, 48]
+    return [(17, 48, 48)] + [(rng.randint(1, 9), rng.choice(sides), rng.choice(sides)) for _ in range(short)]
+
+
 STEPS = 4
 
 
-def queue() -> list[SampleRequest]:
+def queue(short: int) -> list[SampleRequest]:
     return [
         SampleRequest(i, f"prompt {i}", f, h, w, steps=STEPS, guidance=4.0, seed=i, negative_prompt="")
-        for i, (f, h, w) in enumerate(SHAPES)
+        for i, (f, h, w) in enumerate(shapes(short))
     ]
 
 
@@ -63,7 +61,7 @@ def make_model():
     ).eval()  # fmt: skip
 
 
-def _worker(rank, world_size, policy):
+def _worker(rank, world_size, policy, short):
     import torch.distributed as dist
 
     from data.hashed_text import HashedTextEncoder
@@ -71,7 +69,7 @@ def _worker(rank, world_size, policy):
     from dynamic_cp.runtime.groups import build_cp_groups
     from dynamic_cp.runtime.sampling import request_tokens, run_plan, sampling_cost_model
 
-    model, enc, requests = make_model(), HashedTextEncoder(dim=16), queue()
+    model, enc, requests = make_model(), HashedTextEncoder(dim=16), queue(short)
     cost = sampling_cost_model(model, torch.device("cpu"), dist.group.WORLD, None)
     jobs = [SamplingJob(request_tokens(model, None, r), r.steps, r.guided) for r in requests]
     plan = plan_sampling(jobs, world_size, cost, fixed=policy)
@@ -92,13 +90,13 @@ def _worker(rank, world_size, policy):
     )
 
 
-def measured(rounds: int) -> None:
+def measured(rounds: int, short: int) -> None:
     from data.hashed_text import HashedTextEncoder
     from dit.sampling import sample_request
     from dynamic_cp.runtime.testing import run_gloo
 
     torch.set_num_threads(1)
-    model, enc, requests = make_model(), HashedTextEncoder(dim=16), queue()
+    model, enc, requests = make_model(), HashedTextEncoder(dim=16), queue(short)
     tokens = [r.frames * r.height * r.width // 4 for r in requests]
     policies = {"fixed CP 1 (data parallel)": (1, False), "fixed CP 2": (2, False), "dynamic (planner)": None}
     best = {name: float("inf") for name in ["one process (1 thread)", *policies]}
@@ -110,7 +108,7 @@ def measured(rounds: int) -> None:
         ref = [sample_request(model, enc, None, r) for r in requests]
         best["one process (1 thread)"] = min(best["one process (1 thread)"], time.perf_counter() - t0)
         for name, policy in policies.items():
-            out = run_gloo(_worker, 2, policy, timeout_s=1800)
+            out = run_gloo(_worker, 2, policy, short, timeout_s=1800)
             best[name] = min(best[name], max(o[0] for o in out))
             videos = {k: v for o in out for k, v in o[1].items()}
             diffs[name] = max(float((videos[i] - ref[i]).abs().max()) for i in range(len(requests)))
@@ -214,11 +212,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--part", choices=("all", "measured", "simulated"), default="all")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the measured part")
+    parser.add_argument(
+        "--short", type=int, default=16, help="short requests after the long one in the measured queue"
+    )
     args = parser.parse_args(argv)
     if args.part in ("all", "simulated"):
         simulated()
     if args.part in ("all", "measured"):
-        measured(args.rounds)
+        measured(args.rounds, args.short)
     return 0
 
 

@@ -89,10 +89,19 @@ TARGETS: dict[str, list[str]] = {
     ],
     "dynamic_cp/runtime/fsdp.py": ["tests/test_fsdp_one_rank.py", *_FSDP_PURE],
     "dynamic_cp/runtime/fsdp_checkpoint.py": ["tests/test_fsdp_checkpoint_one_rank.py"],
-    "dit/lora.py": ["tests/test_lora_files.py", "tests/test_lora_scale.py"],
+    "dit/lora.py": [
+        "tests/test_lora_files.py",
+        "tests/test_lora_scale.py",
+        "tests/test_lora_edges.py",
+        "tests/test_wan_i2v.py::test_lora_loads_into_diffusers_i2v_without_missing_keys",
+    ],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
     "dit/optim.py": ["tests/test_optim.py"],
-    "dit/sampling.py": ["tests/test_sampling_steps.py", "tests/test_sampling_guidance.py"],
+    "dit/sampling.py": [
+        "tests/test_sampling_steps.py",
+        "tests/test_sampling_guidance.py",
+        "tests/test_sampling_wan22_steps.py",
+    ],
     "dit/config.py": ["tests/test_config_validation.py", "tests/test_config.py", "tests/test_config_cli.py"],
     "sample.py": ["tests/test_sample_cli.py"],
 }

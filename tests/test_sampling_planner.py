@@ -186,3 +186,36 @@ def test_lockstep_pads_short_requests_and_waits_for_the_slowest():
     assert out[0].end == pytest.approx(2 * (2 + per))
     assert out[1].end == pytest.approx(3 * (2 + per))
     assert (out[2].start, out[2].end) == pytest.approx((3 * (2 + per), 3 * (2 + per) + 0.5 + per))
+
+
+def test_a_step_prices_the_gather_and_the_cfg_swap_of_its_prediction():
+    """Worked by hand on round numbers: 1,000 tokens a branch, 128 patch values (64 out per token),
+    2-byte values, 1e9 B/s and 1 ms inside a node of 4, 1e8 B/s and 10 ms across. A group of 2
+    all-gathers half of both branches' 128,000 values; CFG-parallel groups of 2 (4 ranks, one node)
+    swap one branch's 64,000 values; groups of 4 under CFG-parallel span two nodes. Planted: the swap
+    left out of ``job_seconds`` (CFG-parallel looks free, the bug this term fixes) -> the last
+    assertion fails."""
+    import dataclasses
+
+    from dynamic_cp.planning.sampling_planner import job_seconds, step_exchange_seconds
+
+    hw = dataclasses.replace(
+        WAN14.hw, gpus_per_node=4, intra_node_bandwidth=1e9, intra_node_latency_s=1e-3,
+        inter_node_bandwidth=1e8, inter_node_latency_s=1e-2,
+    )  # fmt: skip
+    dims = dataclasses.replace(WAN14.dims, patch_values=128)
+    cost = CostModel(dims, hw).forward()
+    job = SamplingJob(1000, 10, True)
+    assert step_exchange_seconds(cost, job, 1, False) == 0.0  # one rank, both branches: nothing moves
+    assert step_exchange_seconds(cost, job, 2, False) == pytest.approx(1e-3 + 128_000 * 2 / 2 / 1e9)
+    assert step_exchange_seconds(cost, job, 1, True) == pytest.approx(1e-3 + 64_000 * 2 / 1e9)
+    assert step_exchange_seconds(cost, job, 2, True) == pytest.approx(
+        (1e-3 + 64_000 * 2 / 2 / 1e9) + (1e-3 + 64_000 * 2 / 1e9)
+    )
+    assert step_exchange_seconds(cost, job, 4, True) == pytest.approx(
+        (1e-3 + 64_000 * 2 * 3 / 4 / 1e9) + (1e-2 + 64_000 * 2 / 1e8)  # the swap crosses nodes
+    )
+    unguided = SamplingJob(1000, 10, False)
+    assert step_exchange_seconds(cost, unguided, 2, False) == pytest.approx(1e-3 + 64_000 * 2 / 2 / 1e9)
+    forward = cost.micro_batch_time([1000], 1)
+    assert job_seconds(cost, job, 1, True) == pytest.approx(10 * (forward + 1e-3 + 64_000 * 2 / 1e9))

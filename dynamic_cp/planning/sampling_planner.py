@@ -138,8 +138,40 @@ def _branch_lengths(job: SamplingJob, cfg_parallel: bool) -> list[int]:
     return [job.tokens, job.tokens] if job.guided and not cfg_parallel else [job.tokens]
 
 
+def step_exchange_seconds(cost: CostModel, job: SamplingJob, cp: int, cfg_parallel: bool) -> float:
+    """Seconds a step spends moving its prediction, which the forward's cost leaves out: a group of
+    ``cp`` ranks all-gathers the (tokens, p) velocity of its branches (each rank receives (cp-1)/cp
+    of it), and CFG-parallel groups then swap theirs (one send and one receive of the whole of it,
+    ``runtime.sampling._exchange``). Each is one call: the latency plus the bytes over the link.
+    p, the values out per token, is taken as half of ``patch_values`` (in + out channels): exact for
+    text-to-video, too much for image conditioning, where the latency dominates anyway."""
+    hw = cost.hw
+    values = sum(_branch_lengths(job, cfg_parallel)) * cost.dims.patch_values / 2
+    seconds = 0.0
+    if cp > 1:  # an aligned group crosses nodes exactly when it is larger than one
+        far = cp > hw.gpus_per_node
+        bw, lat = (
+            (hw.inter_node_bandwidth, hw.inter_node_latency_s)
+            if far
+            else (hw.intra_node_bandwidth, hw.intra_node_latency_s)
+        )
+        seconds += lat + values * BYTES_BF16 * (cp - 1) / cp / bw
+    if cfg_parallel:  # the two groups are adjacent blocks: 2 cp ranks
+        far = 2 * cp > hw.gpus_per_node
+        bw, lat = (
+            (hw.inter_node_bandwidth, hw.inter_node_latency_s)
+            if far
+            else (hw.intra_node_bandwidth, hw.intra_node_latency_s)
+        )
+        seconds += lat + values * BYTES_BF16 / bw
+    return seconds
+
+
 def job_seconds(cost: CostModel, job: SamplingJob, cp: int, cfg_parallel: bool) -> float:
-    return job.steps * cost.micro_batch_time(_branch_lengths(job, cfg_parallel), cp)
+    """The whole request: each step a forward (the cost model's micro-batch without the backward)
+    and the prediction's exchange (``step_exchange_seconds``)."""
+    forward = cost.micro_batch_time(_branch_lengths(job, cfg_parallel), cp)
+    return job.steps * (forward + step_exchange_seconds(cost, job, cp, cfg_parallel))
 
 
 def job_options(
