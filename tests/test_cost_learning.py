@@ -459,3 +459,18 @@ def test_resuming_a_checkpoint_from_before_the_speed_factor_plans_at_pace_1():
     resumed.observe(2, plan, lengths, [(a, 2 * t, c) for a, t, c in _measure(plan, lengths, true)])
     assert resumed.plan(lengths).info["speed"] > 1.5  # measured: twice the fit's pace
     assert sum(n for _, _, n in resumed.state_dict()["seen"]) == len(plan.micro_batches)
+
+
+def test_a_late_plan_ahead_thread_still_plans_with_the_model_of_its_step():
+    """With plan-ahead (lag 1) the plan of step 2 normally runs while step 1 computes; if its thread
+    runs late, after step 1 was observed and refitted (effective from step 3), it must still plan
+    with the fit effective at step 2, as the ranks whose thread ran on time did. Planted: the plan
+    counter advancing by 2 per plan -> this test fails."""
+    true = true_cluster(PRIOR)
+    learner = _learner(start_step=0, plan_lag=1, refit_every=1, skip_steps=0, explore=False)
+    lengths = [30000, 9000, 3000, 800] * 4
+    plans = [learner.plan(lengths), learner.plan(lengths)]  # steps 0 and 1, before step 0 ends
+    for s in range(2):
+        assert learner.observe(s, plans[s], lengths, _measure(plans[s], lengths, true))
+    late = learner.plan(lengths)  # step 2, after the refit of step 1 was published for step 3
+    assert late.info["model_step"] == 2 and learner.plan(lengths).info["model_step"] == 3
