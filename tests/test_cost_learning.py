@@ -53,8 +53,9 @@ def test_refit_takes_effect_at_a_fixed_step(plan_lag):
         assert learner.observe(s, plans[s], lengths, _measure(plans[s], lengths, true)) == (s % 2 == 1)
         plans.append(learner.plan(lengths))
     versions = [p.info["model_step"] for p in plans]
-    assert versions[: 2 + plan_lag] == [0] * (2 + plan_lag)
-    assert versions[2 + plan_lag] == 2 + plan_lag  # refit after step 1, effective at 1 + 1 + lag
+    # refits after steps 1 and 3, effective at 2 + lag and 4 + lag; plans of steps 0 .. 4 + lag
+    # (planted: plans counted two steps apart -> fails)
+    assert versions == [0] * (2 + plan_lag) + [2 + plan_lag] * 2 + [4 + plan_lag]
     assert learner.model.hw != PRIOR.hw
 
 
@@ -87,6 +88,9 @@ def test_the_speed_factor_follows_a_cluster_that_slows_down():
     assert errors[8] > 0.2  # nothing could know yet
     assert max(errors[s] for s in range(10, 14)) < 0.03
     assert learner.plan(lengths).info["speed"] == pytest.approx(1.3, rel=0.05)
+    # the newest model (what the saved profile holds) is the fit at the newest pace, as the plans use
+    # (planted: the property without the speed factor -> fails)
+    assert learner.model.hw == learner.model_at(15).hw != learner._models[-1][1].hw
     unscaled = learner.make_plan(learner._models[-1][1], lengths)
     assert learner.plan(lengths).micro_batches == unscaled.micro_batches
 
@@ -331,3 +335,142 @@ def test_exploration_moves_the_micro_batch_whose_move_the_model_prices_lowest():
     assert forced.info["explored"] == "cp2 2x1" and forced.info["explore_s"] > 0
     assert forced.predicted_step_s == base + forced.info["explore_s"]
     assert simulate(forced, lengths, PRIOR, timeline=False).step_s == base  # the move itself is free
+
+
+def _fixed_plan(groups, world):
+    """make_plan that always returns the hand-built plan ``groups`` (ranks, clip ids) on ``world`` ranks."""
+    from dynamic_cp.planning.simulator import simulate
+
+    def make(model, lengths):
+        plan = Plan([(tuple(r), list(ids)) for r, ids in groups], world, CAP)
+        plan.predicted_step_s = simulate(plan, lengths, model, timeline=False).step_s
+        return plan
+
+    return make
+
+
+def test_exploring_another_layout_of_a_running_size_charges_that_layouts_extra_seconds():
+    """One 12000-token clip on 2 ranks runs the cheapest layout (1x2); the other (2x1) is explored by
+    switching that micro-batch, which costs exactly the layout's extra seconds over the cheapest
+    (about 14 ms on a 0.18 s step). Planted: the extra as layout + cheapest, floored at 1 s instead
+    of 0, or clipped to at most 0 -> this test fails."""
+    from dynamic_cp.runtime.cost_learning import _layout_time
+
+    lengths = [12000]
+    learner = CostLearner(PRIOR, _fixed_plan([((0, 1), [0])], 2), start_step=0, plan_lag=0,
+                          explore_budget=1.0, cp_sizes=(2,), cap_tokens=CAP)  # fmt: skip
+    assert PRIOR.layout(lengths, 2) == (1, 2)
+    plan = learner.plan(lengths)
+    extra = _layout_time(PRIOR, lengths, 2, (2, 1), False) - PRIOR.micro_batch_time(lengths, 2, False)
+    assert 0 < extra < 0.1 * plan.predicted_step_s
+    assert (plan.info["explored"], plan.info["layouts"]) == ("cp2 2x1", [(2, 1)])
+    assert plan.info["explore_s"] == extra
+
+
+def test_exploration_never_moves_a_micro_batch_onto_fewer_ranks_than_its_tokens_need():
+    """8 ranks, cap 40000 tokens a rank: two clips on ranks 0-3 move onto ranks 0-1 to explore CP 2
+    when they hold exactly 2 x 40000 tokens (the cap allows it), never when they hold 2 more (each clip
+    alone would fit on 2 ranks, the pair does not). Planted: the cap checked on the longest clip
+    (sum -> max), or at the cap excluded (> -> >=) -> this test fails."""
+    for pair, explored in (([40000, 40000], True), ([40001, 40001], False)):
+        lengths = pair + [80000, 80000]  # ranks 4-7: the longer micro-batch, so the move is free
+        groups = [((0, 1, 2, 3), [0, 1]), ((4, 5, 6, 7), [2, 3])]
+        learner = CostLearner(PRIOR, _fixed_plan(groups, 8), start_step=0, plan_lag=0,
+                              explore_budget=1.0, cp_sizes=(2, 4), cap_tokens=CAP)  # fmt: skip
+        plan = learner.plan(lengths)
+        assert plan_violations(plan, lengths, CAP, (2, 4)) == []
+        assert ("explored" in plan.info) == explored
+        if explored:
+            assert plan.micro_batches[0] == ((0, 1), [0, 1]) and plan.info["explore_s"] == 0.0
+
+
+def test_a_move_to_cp_1_is_priced_by_the_step_alone_and_a_free_move_fits_a_zero_budget():
+    """CP 1 never ran: the short clip on ranks 0-1 moves to rank 0 alone, which leaves the step (the
+    long clip on ranks 2-3) unchanged: the move costs 0 s, has no layout to pay for, and is taken even
+    at a budget of 0 (at most the budget: 0 <= 0). Planted: a CP 1 move charged 1 s of layout, the
+    budget's bound strict (> -> >=) -> this test fails."""
+    from dynamic_cp.planning.simulator import simulate
+
+    lengths = [2000, 30000]
+    learner = CostLearner(PRIOR, _fixed_plan([((0, 1), [0]), ((2, 3), [1])], 4), start_step=0,
+                          plan_lag=0, explore_budget=0.0, cp_sizes=(1, 2), cap_tokens=CAP)  # fmt: skip
+    plan = learner.plan(lengths)
+    assert plan.info["explored"] == "cp1 1x1" and plan.micro_batches[0] == ((0,), [0])
+    assert plan.info["explore_s"] == 0.0
+    assert plan.predicted_step_s == simulate(plan, lengths, PRIOR).step_s
+
+
+def test_each_missing_layout_is_explored_until_it_was_observed_three_times():
+    """4 ranks, one clip each at CP 1 (a fixed plan): CP 2's layouts never run unless explored. Each
+    step explores the first missing one, 1x2 for three steps, then 2x1 for three, then nothing: an
+    exploratory micro-batch counts once when observed. Planted: observations counted twice (+= 2) or
+    subtracted (-=) -> this test fails."""
+    lengths = [30000, 4000, 20000, 12000]
+    learner = CostLearner(PRIOR, _fixed_plan([((i,), [i]) for i in range(4)], 4), start_step=0,
+                          plan_lag=0, explore_budget=1.0, cp_sizes=(1, 2), cap_tokens=CAP,
+                          refit_every=100, skip_steps=0)  # fmt: skip
+    explored = []
+    for s in range(8):
+        plan = learner.plan(lengths)
+        explored.append(plan.info.get("explored"))
+        learner.observe(s, plan, lengths, _measure(plan, lengths, PRIOR))
+    assert explored == ["cp2 1x2"] * 3 + ["cp2 2x1"] * 3 + [None] * 2
+
+
+def test_the_speed_factor_is_the_median_of_the_last_three_steps_before_the_first_refit():
+    """skip_steps=9: steps 9-15 are observed before the first refit (after 16 steps). Steps 12-14 run
+    3x slow: after 11, 12, 13 two of the last three are slow, after 12, 13, 14 all three, so the plans
+    of steps 14 and 15 run at 3x (over every observed step, 9-14, the median would be 2x). Planted:
+    the window of recent steps without maxlen -> this test fails."""
+    learner = _learner(start_step=0, plan_lag=0, refit_every=100, skip_steps=9, explore=False)
+    lengths = [30000, 9000, 3000, 800] * 4
+    speeds = {}
+    for s in range(16):
+        plan = learner.plan(lengths)
+        speeds[s] = plan.info["speed"]
+        slow = 3.0 if s in (12, 13, 14) else 1.0
+        learner.observe(s, plan, lengths, [(a, t * slow, c) for a, t, c in _measure(plan, lengths, PRIOR)])
+    assert learner.num_refits == 1  # after step 15
+    assert speeds[13] == pytest.approx(1.0, rel=1e-9)  # measured by the prior itself: ratio 1
+    assert speeds[14] == pytest.approx(3.0, rel=1e-9) and speeds[15] == pytest.approx(3.0, rel=1e-9)
+
+
+def test_resuming_a_checkpoint_from_before_the_speed_factor_plans_at_pace_1():
+    """A checkpoint without 'speeds' and 'recent' (written before the speed factor existed): plans
+    run at pace 1 until a step measures one; a step whose timings were all lost measures none, so the
+    pace stays 1; the next measured step sets it. The resumed learner keeps counting (size, layout)
+    pairs it had not seen. Planted: the missing pace read as 2, the pace without measurements 2, the
+    restored counts a dict (KeyError on a new pair) -> this test fails."""
+    true = true_cluster(PRIOR)
+    lengths = [30000, 9000, 3000, 800] * 4
+    old = _learner(start_step=0, plan_lag=0, refit_every=100, skip_steps=0, explore=False)
+    p = old.plan(lengths)
+    old.observe(0, p, lengths, _measure(p, lengths, true))
+    state = json.loads(json.dumps(old.state_dict()))
+    del state["speeds"], state["recent"]
+    state["seen"] = []  # pairs without a count are counted from 0
+    resumed = _learner(start_step=1, plan_lag=0, refit_every=100, skip_steps=0, explore=False)
+    resumed.load_state_dict(state)
+    plan = resumed.plan(lengths)
+    assert plan.info["speed"] == 1.0
+    resumed.observe(1, plan, lengths, [(0.0, 0.0, 0.0)] * len(plan.micro_batches))  # timings lost
+    plan = resumed.plan(lengths)
+    assert plan.info["speed"] == 1.0
+    resumed.observe(2, plan, lengths, [(a, 2 * t, c) for a, t, c in _measure(plan, lengths, true)])
+    assert resumed.plan(lengths).info["speed"] > 1.5  # measured: twice the fit's pace
+    assert sum(n for _, _, n in resumed.state_dict()["seen"]) == len(plan.micro_batches)
+
+
+def test_a_late_plan_ahead_thread_still_plans_with_the_model_of_its_step():
+    """With plan-ahead (lag 1) the plan of step 2 normally runs while step 1 computes; if its thread
+    runs late, after step 1 was observed and refitted (effective from step 3), it must still plan
+    with the fit effective at step 2, as the ranks whose thread ran on time did. Planted: the plan
+    counter advancing by 2 per plan -> this test fails."""
+    true = true_cluster(PRIOR)
+    learner = _learner(start_step=0, plan_lag=1, refit_every=1, skip_steps=0, explore=False)
+    lengths = [30000, 9000, 3000, 800] * 4
+    plans = [learner.plan(lengths), learner.plan(lengths)]  # steps 0 and 1, before step 0 ends
+    for s in range(2):
+        assert learner.observe(s, plans[s], lengths, _measure(plans[s], lengths, true))
+    late = learner.plan(lengths)  # step 2, after the refit of step 1 was published for step 3
+    assert late.info["model_step"] == 2 and learner.plan(lengths).info["model_step"] == 3
