@@ -66,6 +66,25 @@ def _step_of(line: str) -> float:
         return math.inf
 
 
+def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
+    """``load_weights`` of one VideoDiT, or of both experts of an ExpertPair (its save_pretrained
+    folders: transformer/ and transformer_2/)."""
+    from dit.experts import ExpertPair
+
+    if not isinstance(model, ExpertPair):
+        load_weights(model, directory)
+        return
+    from dit.wan_import import EXPERT_FOLDERS
+
+    for name, folder in EXPERT_FOLDERS.items():
+        if not (directory / folder).is_dir():
+            raise ValueError(
+                f"model.expert=both: {directory} holds no {folder}/ (one expert's checkpoint); resume "
+                "it with model.expert=high or low, or start both from a Wan2.2 A14B folder"
+            )
+        load_weights(getattr(model, name), directory / folder)
+
+
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
 
@@ -90,8 +109,9 @@ class Trainer:
                 "experts with sample.py --pretrained"
             )
         self.val_sigmas = self._val_sigmas()
+        self.both = bool(self.expert) and self.expert[0] == "both"  # two experts, dit/expert_training.py
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, self.expert[1] if self.both else None)
         self.lora = cfg.model.lora is not None
         if self.lora:  # frozen base in the compute dtype, fp32 adapters: the only trainable parameters
             from dit.lora import setup_lora
@@ -136,7 +156,12 @@ class Trainer:
             )  # built now (training needs it): a bad path fails here, not at step 1
         self._shard_model()
         self.optimizer = self._build_optimizer()
-        self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
+        if self.both:
+            from dit.expert_training import ExpertSchedules
+
+            self.lr_schedule = ExpertSchedules(self.optimizer, lambda opt: build_lr_schedule(cfg.train, opt))
+        else:
+            self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
         self.ema = self._build_ema() if cfg.train.ema_decay > 0 else None
         if cfg.model.compile:  # after the EMA copy: the EMA model only samples, eagerly
             compile_blocks(self.model)
@@ -155,7 +180,7 @@ class Trainer:
         """flow.val_sigmas, less those on the other expert's side of the switch (an expert is never
         run there, so its loss there says nothing)."""
         sigmas = list(self.cfg.flow.val_sigmas)
-        if self.expert is None:
+        if self.expert is None or self.expert[0] == "both":  # both: each sigma's own expert answers
             return sigmas
         from dit.flow import model_timesteps, on_expert_side
 
@@ -174,8 +199,16 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """The run's optimizer over the trainable parameters (the distributed runtime may shard its states)."""
-        return build_optimizer(self.cfg.train, self.trainable_parameters())
+        """The run's optimizer over the trainable parameters; under model.expert=both one per expert."""
+        if self.both:
+            from dit.expert_training import ExpertOptimizers
+
+            return ExpertOptimizers(self.model, self._optimizer_over)  # type: ignore[return-value]
+        return self._optimizer_over(self.trainable_parameters())
+
+    def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """An optimizer over ``params`` (the distributed runtime may shard its states)."""
+        return build_optimizer(self.cfg.train, params)
 
     def _shard_model(self) -> None:
         """Where the distributed runtime shards the weights (FSDP), before the optimizer sees them."""
@@ -186,8 +219,16 @@ class Trainer:
         return (AdapterEMA if self.lora else EMA)(self.model, self.cfg.train.ema_decay)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Clip the trainable gradients to ``max_norm`` (inf: no clipping); -> their total norm."""
-        return torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+        """Clip the trainable gradients to ``max_norm`` (inf: no clipping); -> their total norm.
+        Under model.expert=both each expert's on its own; -> the norm of both."""
+        if self.both:
+            from dit.expert_training import clip_expert_gradients
+
+            return clip_expert_gradients(self.model, max_norm, self._clip)
+        return self._clip(self.trainable_parameters(), max_norm)
+
+    def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -227,9 +268,9 @@ class Trainer:
                 self.ema.state[name].copy_(value)
 
     def _resume_weights(self, step_dir: Path) -> None:
-        load_weights(self.model, step_dir / "model")
+        load_model_weights(self.model, step_dir / "model")
         if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
-            load_weights(
+            load_model_weights(
                 self.ema.model, step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
             )
 
@@ -318,9 +359,8 @@ class Trainer:
         """Forward and backward over the micro-batches, then one optimizer step. Returns metrics."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        lengths = [c.num_tokens for c in clips]
         total = 0.0
-        for group in pack_by_token_budget(lengths, self.cfg.train.micro_batch_tokens):
+        for group in self._micro_batches(clips):
             mb = [clips[i] for i in group]
             with self.autocast():
                 loss = micro_batch_loss(
@@ -329,6 +369,23 @@ class Trainer:
             loss.backward()
             total += loss.item()
         return self.finish_step(total)
+
+    def _micro_batches(self, clips: list[TrainClip]) -> list[list[int]]:
+        """Token-budget packing; under model.expert=both each expert's clips apart (high first), so
+        every micro-batch runs one expert."""
+        budget = self.cfg.train.micro_batch_tokens
+        if not self.both:
+            return pack_by_token_budget([c.num_tokens for c in clips], budget)
+        from dit.expert_training import expert_of_clip
+        from dit.flow import EXPERTS
+
+        groups = []
+        for name in EXPERTS:
+            ids = [i for i, c in enumerate(clips) if expert_of_clip(c, self.expert[1]) == name]
+            groups += [
+                [ids[j] for j in g] for g in pack_by_token_budget([clips[i].num_tokens for i in ids], budget)
+            ]
+        return groups
 
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
@@ -349,7 +406,9 @@ class Trainer:
         self.optimizer.step()
         self.lr_schedule.step()
         if self.ema is not None:
-            self.ema.update(self.model)
+            # model.expert=both: only the experts that stepped (an idle one's average stays put)
+            only = tuple(f"{n}." for n in self.optimizer.active) if self.both else None
+            self.ema.update(self.model, only)
         return {"loss": loss, "grad_norm": float(grad_norm)}
 
     @torch.no_grad()

@@ -246,10 +246,15 @@ class ShardedEMA:
         self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        ema = [t.to_local() for t in self.params.values()]
-        current = [p.detach().to_local() for p in model.parameters()]
-        torch._foreach_lerp_(ema, current, 1.0 - self.decay)
+    def update(self, model: torch.nn.Module, only: tuple[str, ...] | None = None) -> None:
+        """``only``: name prefixes to update (model.expert=both: the experts that stepped)."""
+        pairs = [
+            (t.to_local(), p.detach().to_local())
+            for (n, t), p in zip(self.params.items(), model.parameters())
+            if only is None or n.startswith(only)
+        ]
+        if pairs:
+            torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - self.decay)
 
     def full_state_dict(self, is_main: bool) -> dict[str, torch.Tensor]:
         """Collective: every rank gathers each tensor; rank 0 keeps CPU copies, the others nothing."""

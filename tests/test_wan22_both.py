@@ -1,0 +1,216 @@
+"""``model.expert: both`` (Wan2.2 A14B's two experts in one run) equals one process, and routes right.
+
+Distributed parity: on 2 and 4 gloo ranks, Dynamic-CP with replicated weights (the ZeRO-1 default, one
+ZeRO optimizer per expert) and FSDP2 (per_step and per_layer, each expert sharded on its own) run 3
+steps of the two-expert model of tests/test_fsdp.py; every step's loss and gradient norm and BOTH
+experts' final weights must match single-process training on the same global batches within 1e-5
+relative (REL_TOL of test_fsdp.py, derived there and below). The batches mix the experts and hold
+steps where one expert runs no micro-batch (``IDLE``: checked, so the idle path is exercised).
+
+One process: every micro-batch runs the expert on whose side of the pipeline's switch its clips'
+timesteps fall (the forward of the expert that ran is recorded), the draw gives each expert its
+share of the shifted distribution, and an expert with no micro-batch in a step keeps its weights,
+AdamW state, LR schedule and EMA.
+
+Planted and caught:
+- routing to the wrong expert (``ExpertPair.expert_at`` returning the other one):
+  test_each_micro_batch_runs_the_expert_of_its_timesteps fails;
+- stepping the idle expert (``ExpertOptimizers.step`` setting ``active`` to both experts): its LR
+  schedule and EMA move, test_an_idle_expert_does_not_move fails; with the gradient reduction
+  handing zeros instead of None (``p.grad = ... if u > 0 else None`` -> always the tensor) the
+  idle expert's AdamW steps on momentum and the W=2/W=4 parity tests fail on the low expert's weights;
+- the planner mixing the experts (``plan_per_expert`` planning all clips at once): a forward gets
+  timesteps of both experts and ``ExpertPair.expert_at``'s assertion stops the distributed runs.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import tiny_overrides
+from test_fsdp import CONFIG, STEPS, PerturbedFSDP, _rel, overrides, perturb
+
+from dit.batching import GlobalBatchSampler
+from dit.config import load_config
+from dit.trainer import Trainer
+from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
+from dynamic_cp.runtime.testing import run_gloo
+
+pytestmark = pytest.mark.timeout(600)
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+BOTH = {"model.expert": "both", "model.boundary_ratio": 0.875, "flow.shift": 5.0, "train.ema_decay": 0.9}
+# Per world size: batches whose experts are mixed in some steps and single in others (IDLE lists the
+# steps, 1-based, where one expert runs nothing), with uneven micro-batch counts per rank.
+DATA = {
+    2: {"train.global_batch_size": 3, "data.seed": 1},
+    4: {"train.global_batch_size": 3, "data.seed": 3},  # a rank without clips in every step
+}
+# Loss, gradient norm and weights within 1e-5 relative. What differs from one process is only the order
+# of fp32 sums: the plan packs a step's clips into other micro-batches and shards them over CP groups,
+# so each gradient element sums its per-token terms and the rank partials in another order. A
+# reordered fp32 sum of n terms moves by about sqrt(n) u of its terms' magnitudes (u = 2^-24 = 6e-8;
+# at most n u): n <= 480 tokens per step (3 clips of <= 160) gives 1.3e-6 typically, 3e-5 at worst
+# for a single element; the Frobenius norm of a whole tensor averages the elements' errors, so 1e-5
+# leaves a factor 7 over the typical value, on AVX2 and AVX-512 alike. The weights after 3 AdamW
+# steps differ by lr x (the updates' relative error) <= 1e-3 x 1e-5, far below. A wrong expert, a
+# stepped idle expert or a lost gradient moves something by 1e-3 relative or more.
+REL_TOL = 1e-5
+MODES = ("none", "per_step", "per_layer")
+
+
+def _config(out: str, world_size: int, **extra):
+    return load_config(CONFIG, overrides(out, **{**BOTH, **DATA[world_size], **extra}))
+
+
+class PerturbedDistributed(DistributedTrainer):
+    def _shard_model(self) -> None:
+        perturb(self.model)
+
+
+class PerturbedTrainer(Trainer):
+    def _shard_model(self) -> None:
+        perturb(self.model)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def steps_of(trainer) -> dict:
+    """STEPS steps (collective): each step's loss, gradient norm and experts run; the final weights."""
+    batches = trainer.data_iterator()
+    steps = []
+    for _ in range(STEPS):
+        batch = next(batches)
+        metrics = trainer.train_step(batch)
+        trainer.step += 1
+        steps.append({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                      "experts": sorted(set(batch.plan.info["experts"]))})  # fmt: skip
+    batches.close()
+    return {"steps": steps, "params": {n: _full(p) for n, p in trainer.model.named_parameters()}}
+
+
+def worker(rank: int, world_size: int, root: str) -> dict:
+    try:
+        out = {}
+        for mode in MODES:
+            cfg = _config(f"{root}/{mode}", world_size, **{"parallel.fsdp": mode})
+            trainer = (PerturbedFSDP if mode != "none" else PerturbedDistributed)(cfg, dist.group.WORLD)
+            out[mode] = steps_of(trainer)
+        return out if rank == 0 else {}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def reference(root: Path, world_size: int) -> dict:
+    """Single-process steps on the same global batches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # cores shared with spawned ranks
+    try:
+        cfg = _config(str(root / "ref"), world_size, **{"parallel.mode": "none", "parallel.fsdp": "none"})
+        trainer = PerturbedTrainer(cfg, device=torch.device("cpu"))
+        sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
+        steps = []
+        for s in range(STEPS):
+            clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
+            steps.append(trainer.train_step(clips))
+        return {
+            "steps": steps,
+            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_both_experts_on_gloo_ranks_equal_one_process(tmp_path, world_size):
+    res = run_gloo(worker, world_size, str(tmp_path), timeout_s=300)
+    for r, out in enumerate(res):
+        assert "error" not in out, f"rank {r}:\n{out['error']}"
+    ref = reference(tmp_path, world_size)
+    for mode in MODES:
+        got = res[0][mode]
+        label = f"W={world_size} fsdp={mode}"
+        # the batches exercise both experts, and a step where one of them is idle
+        assert {e for s in got["steps"] for e in s["experts"]} == {"high", "low"}, label
+        assert any(len(s["experts"]) == 1 for s in got["steps"]), f"{label}: no step leaves an expert idle"
+        for s, (step, want) in enumerate(zip(got["steps"], ref["steps"])):
+            assert step["loss"] == pytest.approx(want["loss"], rel=REL_TOL), f"{label} step {s + 1} loss"
+            assert step["grad_norm"] == pytest.approx(want["grad_norm"], rel=REL_TOL), (
+                f"{label} step {s + 1} grad norm"
+            )
+        assert got["params"].keys() == ref["params"].keys()
+        assert any(n.startswith("low.") for n in ref["params"]) and any(
+            n.startswith("high.") for n in ref["params"]
+        )
+        for name, want in ref["params"].items():
+            err = _rel(got["params"][name], want)
+            assert err < REL_TOL, f"{label}: {name} differs from one process by {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def _trainer(tmp_path, *extra) -> Trainer:
+    items = {**BOTH, "train.global_batch_size": 6, "train.micro_batch_tokens": 16}
+    cfg = load_config(TINY, [*tiny_overrides(tmp_path, **items), *extra])
+    return Trainer(cfg, device=torch.device("cpu"))
+
+
+def test_each_micro_batch_runs_the_expert_of_its_timesteps(tmp_path):
+    from dit.flow import model_timesteps, on_expert_side
+
+    t = _trainer(tmp_path)
+    ran = []  # (expert module that ran, timesteps it was given)
+    for name in ("high", "low"):
+        getattr(t.model, name).register_forward_pre_hook(
+            lambda mod, args, name=name: ran.append((name, args[3].clone())), with_kwargs=False
+        )
+    batches = t.data_iterator()
+    for _ in range(2):
+        t.train_step(t.prepare(next(batches), t.step))
+        t.step += 1
+    assert {name for name, _ in ran} == {"high", "low"}
+    for name, timesteps in ran:
+        side = on_expert_side(model_timesteps(timesteps / 1000), name, 0.875)  # the pipeline's test
+        assert bool(side.all()), f"the {name} expert ran timesteps {timesteps.tolist()}"
+
+
+def test_the_draw_gives_each_expert_its_share(tmp_path):
+    """The expert draw's frequency equals the shifted distribution's mass above the switch."""
+    from dit.flow import draw_expert, sample_sigmas, shift_sigmas
+
+    n = 4000
+    drawn = sum(draw_expert(0, 7, i, "logit_normal", 0.0, 1.0, 5.0, 0.875) == "high" for i in range(n)) / n
+    g = torch.Generator().manual_seed(0)
+    share = float((shift_sigmas(sample_sigmas(200_000, g), 5.0) >= 0.875).double().mean())
+    assert abs(drawn - share) < 4 * (share * (1 - share) / n) ** 0.5  # 4 standard errors of the draw
+
+
+def test_an_idle_expert_does_not_move(tmp_path):
+    t = _trainer(tmp_path)
+    batches = t.data_iterator()
+    t.train_step(t.prepare(next(batches), 0))  # both experts run (checked): the EMA leaves the weights
+    assert t.optimizer.active == ("high", "low")
+    clips = [c for c in t.prepare(next(batches), 1) if c.sigma >= 0.875]  # the high expert's only
+    assert clips
+    before = {
+        "weights": {n: p.detach().clone() for n, p in t.model.low.named_parameters()},
+        "ema": {n: p.clone() for n, p in t.ema.model.low.named_parameters()},
+        "lr": t.lr_schedule.parts["low"].state_dict(),
+        "adam_steps": [float(s["step"]) for s in t.optimizer.parts["low"].state.values()],
+    }
+    high = {n: p.detach().clone() for n, p in t.model.high.named_parameters()}
+    t.train_step(clips)
+    assert t.optimizer.active == ("high",)
+    for n, p in t.model.low.named_parameters():
+        assert torch.equal(p, before["weights"][n]), f"idle low expert's {n} moved"
+    for n, p in t.ema.model.low.named_parameters():
+        assert torch.equal(p, before["ema"][n]), f"idle low expert's EMA of {n} moved"
+    assert t.lr_schedule.parts["low"].state_dict() == before["lr"], "idle low expert's LR schedule advanced"
+    assert [float(s["step"]) for s in t.optimizer.parts["low"].state.values()] == before["adam_steps"]
+    assert any(not torch.equal(p, high[n]) for n, p in t.model.high.named_parameters())  # high did step
