@@ -102,6 +102,12 @@ class Trainer:
                 "leave no whole checkpoint to resume; keep 2 or more"
             )
         self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
+        if self.expert and self.expert[0] == "both" and cfg.train.sample_every:
+            raise ValueError(
+                f"train.sample_every={cfg.train.sample_every} with model.expert=both: validation clips of two "
+                "experts are not supported yet; set train.sample_every=0 and sample the checkpoint's model/ "
+                "with sample.py --pretrained"
+            )
         if self.expert and cfg.train.sample_every:
             raise ValueError(
                 f"train.sample_every={cfg.train.sample_every} with model.expert={self.expert[0]}: validation "
@@ -117,7 +123,16 @@ class Trainer:
             from dit.lora import setup_lora
 
             # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
-            setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
+            if self.both:  # one adapter per expert, each saved as its own diffusers file
+                if cfg.model.lora_init is not None:
+                    raise ValueError(
+                        f"model.lora_init={cfg.model.lora_init} with model.expert=both: one file cannot start "
+                        "both experts' adapters; drop model.lora_init, or train one expert (model.expert=high|low)"
+                    )
+                for expert in (model.high, model.low):
+                    setup_lora(expert, cfg.model.lora, None, self.compute_dtype())
+            else:
+                setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
         self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
         self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
@@ -256,15 +271,15 @@ class Trainer:
             print(f"resumed from {step_dir} at step {self.step}")
 
     def _resume_lora(self, step_dir: Path) -> None:
-        from dit.lora import adapter_values
+        from dit.lora import model_adapter_values
 
         live = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, value in adapter_values(self.model, step_dir / "model").items():
+            for name, value in model_adapter_values(self.model, step_dir / "model").items():
                 live[name].copy_(value)
         if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed adapters
             ema_dir = step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
-            for name, value in adapter_values(self.model, ema_dir).items():
+            for name, value in model_adapter_values(self.model, ema_dir).items():
                 self.ema.state[name].copy_(value)
 
     def _resume_weights(self, step_dir: Path) -> None:
@@ -476,12 +491,15 @@ class Trainer:
 
     def export_lora(self) -> Path:
         """The run's LoRA in diffusers' format: ``<output_dir>/pytorch_lora_weights.safetensors`` (the
-        EMA adapters when there is an EMA), for ``WanPipeline.load_lora_weights(output_dir)``."""
-        from dit.lora import save_lora
+        EMA adapters when there is an EMA), for ``WanPipeline.load_lora_weights(output_dir)``; under
+        model.expert=both one per expert, ``<output_dir>/transformer/`` and ``transformer_2/``
+        (``load_lora_weights(that folder, load_into_transformer_2=True)`` for the low expert's)."""
+        from dit.lora import save_model_lora
 
-        path = save_lora(self.model, self.out, state=self.ema.state if self.ema else None)
-        print(f"wrote {path}")
-        return path
+        paths = save_model_lora(self.model, self.out, state=self.ema.state if self.ema else None)
+        for path in paths:
+            print(f"wrote {path}")
+        return paths[0]
 
     # ----------------------------------------------------------------------------- loop
 

@@ -216,3 +216,89 @@ def test_an_idle_expert_does_not_move(tmp_path):
     assert [float(s["step"]) for s in t.optimizer.parts["low"].state.values()] == before["adam_steps"]
     assert any(not torch.equal(p, high[n]) for n, p in t.model.high.named_parameters())  # high did step
     assert t.optimizer.active == ("high",)
+
+
+# ----------------------------------------------------------------------------- LoRA, checkpoints, bad input
+
+
+def _a14b_folder(root: Path) -> Path:
+    """A small random two-expert Wan2.2 pipeline folder (diffusers' transformers, model_index.json)."""
+    import json
+
+    from test_lora import make_wan
+
+    make_wan(1).save_pretrained(root / "transformer")
+    make_wan(2).save_pretrained(root / "transformer_2")
+    index = {"_class_name": "WanPipeline", "boundary_ratio": 0.875, "transformer_2": ["diffusers", "X"]}
+    (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_both_lora_files_load_into_the_two_expert_pipeline(tmp_path):
+    """One diffusers LoRA file per expert: transformer/ into ``transformer``, transformer_2/ with
+    ``load_into_transformer_2=True``: no missing or unexpected keys, each expert's trained adapters on
+    its own transformer. Planted: both files written from the high expert -> the low one's values differ."""
+    from diffusers import WanPipeline
+    from test_lora import lora_overrides, make_wan
+    from test_wan22_lora import load_logging
+
+    root = _a14b_folder(tmp_path / "a14b")
+    items = {"model.pretrained": str(root), "model.expert": "both", "flow.shift": 5.0, "train.max_steps": 2, "train.warmup_steps": 0,
+             "train.checkpoint_every": 100, "train.global_batch_size": 4, "train.sample_every": 0}  # fmt: skip
+    trainer = Trainer(load_config(TINY, lora_overrides(tmp_path, "run", **items)), device=torch.device("cpu"))
+    trainer.train()
+    high, low = make_wan(1), make_wan(2)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=high,
+                       transformer_2=low, boundary_ratio=0.875)  # fmt: skip
+    for name, folder, module in (("high", "transformer", high), ("low", "transformer_2", low)):
+        messages = load_logging(pipe, str(tmp_path / "run" / folder), load_into_transformer_2=name == "low")
+        assert not [m for m in messages if "unexpected keys" in m or "missing keys" in m], messages
+        # lora_B: laid out alike on both sides (a Conv3d's lora_A orders the patch differently from ours)
+        trained = {n[len(name) + 1 :]: p for n, p in trainer.ema.state.items() if n.startswith(f"{name}.")}
+        trained = {n: p for n, p in trained.items() if "lora_B" in n}
+        loaded = {n: p for n, p in module.named_parameters() if "lora_B" in n}
+        assert trained and len(loaded) == len(trained), name
+        assert all(float(p.abs().max()) > 0 for p in trained.values()), f"{name}: adapters never trained"
+        for n, value in trained.items():  # ours: ...lora_B.default.weight; theirs: ...default_0.weight
+            theirs = loaded[n.replace(".default.", ".default_0.")]
+            assert torch.equal(theirs.detach().reshape(value.shape), value), f"{name}: {n}"
+
+
+def test_both_resumes_exactly(tmp_path):
+    """3 steps == 2 steps, a checkpoint, and 1 resumed step: both experts' weights, EMA, AdamW
+    states and LR schedules, bit for bit. Planted: the low expert's optimizer not loaded on resume
+    (ExpertOptimizers.load_state_dict skipping 'low') -> its weights differ."""
+    small = {"train.global_batch_size": 3, "train.micro_batch_tokens": 64, "flow.val_sigmas": "[0.5, 0.95]",
+             "train.val_every": 100, "train.warmup_steps": 0, "train.checkpoint_every": 2}  # fmt: skip
+
+    def cfg(out: str, steps: int):
+        return load_config(
+            TINY, tiny_overrides(tmp_path / out, **{**BOTH, **small, "train.max_steps": steps})
+        )
+
+    whole = Trainer(cfg("whole", 3), device=torch.device("cpu"))
+    whole.train()
+    Trainer(cfg("cut", 2), device=torch.device("cpu")).train()
+    resumed = Trainer(cfg("cut", 3), resume=str(tmp_path / "cut" / "run"), device=torch.device("cpu"))
+    assert resumed.step == 2
+    resumed.train()
+    for (n, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), n
+    for (n, a), (_, b) in zip(whole.ema.model.named_parameters(), resumed.ema.model.named_parameters()):
+        assert torch.equal(a, b), f"EMA {n}"
+    assert whole.lr_schedule.state_dict() == resumed.lr_schedule.state_dict()
+    step_dir = tmp_path / "cut" / "run" / "checkpoints" / "step_000002" / "model"
+    assert (step_dir / "transformer").is_dir() and (step_dir / "transformer_2").is_dir()
+
+
+def test_both_bad_input_is_one_line(tmp_path):
+    from test_lora import make_wan
+
+    make_wan(1).save_pretrained(tmp_path / "one")  # a single transformer folder: no transformer_2/
+    with pytest.raises(ValueError, match=r"model.expert=both: .* holds one transformer, no transformer_2/"):
+        _trainer(tmp_path, f"model.pretrained={tmp_path / 'one'}", "model.overrides={}")
+    cfg = load_config(TINY, [*tiny_overrides(tmp_path), "model.expert=both"])
+    with pytest.raises(
+        ValueError, match=r"model.expert=both needs the experts' switch: set model.boundary_ratio"
+    ):
+        Trainer(cfg, device=torch.device("cpu"))
