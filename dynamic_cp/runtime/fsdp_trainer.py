@@ -95,17 +95,36 @@ class FSDPTrainer(DistributedTrainer):
         return [n for n in ("high", "low") if n in plan.info["experts"]]
 
     def _run_per_step(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
-        # 1. gather every unit once, 2. the plan with no world collective, 3. one synced empty pass.
-        # model.expert=both: steps 1 and 3 for each expert the plan runs, high first, on every rank;
-        # an expert no micro-batch runs is neither gathered nor reduced (its gradients stay None).
-        dits = self._dits(self._experts_run(batch.plan))
-        for dit in dits:
+        # 1. gather every unit once, 2. the plan with no world collective, 3. one synced empty pass
+        if self.both:
+            return self._run_per_step_experts(batch, timeline, t0)
+        configure(self.model, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
+        gather_weights(self.model)
+        local_loss = super()._run_plan(batch, timeline, t0)  # the replicated runtime's plan loop
+        configure(self.model, keep_gathered=True, free_after_backward=True, sync=True, last_backward=True)
+        self._empty_micro_batch()  # reduce-scatters every unit's accumulated gradient, frees weights
+        return local_loss
+
+    def _run_per_step_experts(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
+        """model.expert=both: steps 1-3 once per expert the plan runs, high first, on every rank, so
+        only one expert is gathered (and accumulates an unsharded gradient) at a time. Every rank
+        issues AG(high), its high micro-batches (CP collectives only), RS(high), then the same for low:
+        the world collectives keep one order on every rank, and each CP collective of an expert lies
+        between that expert's AG and RS on all members of its group (the single-model argument,
+        ``dynamic_cp/runtime/fsdp.py``, per expert). An expert no micro-batch runs is neither
+        gathered nor reduced: its gradients stay None and it takes no step."""
+        experts = batch.plan.info["experts"]
+        mine = list(zip(batch.plan_indices, batch.micro_batches))
+        local_loss = 0.0
+        for name in self._experts_run(batch.plan):
+            dit = getattr(self.model, name)
             configure(dit, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
             gather_weights(dit)
-        local_loss = super()._run_plan(batch, timeline, t0)  # the replicated runtime's plan loop
-        for dit in dits:
+            for m, (ranks, clips) in mine:
+                if experts[m] == name:
+                    local_loss += self._timed_micro_batch(batch, timeline, t0, m, ranks, clips)
             configure(dit, keep_gathered=True, free_after_backward=True, sync=True, last_backward=True)
-            self._empty_micro_batch(dit)  # reduce-scatters every unit's accumulated gradient, frees weights
+            self._empty_micro_batch(dit)
         return local_loss
 
     def _run_per_layer(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
