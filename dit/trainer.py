@@ -116,6 +116,11 @@ class Trainer:
             )
         self.val_sigmas = self._val_sigmas()
         self.both = bool(self.expert) and self.expert[0] == "both"  # two experts, dit/expert_training.py
+        if self.both and cfg.model.idle_expert == "cpu":
+            raise ValueError(
+                "model.idle_expert=cpu is priced by --dry-run (dynamic_cp/planning/memory.py) but training does "
+                "not offload the idle expert yet; set model.idle_expert=sharded (or train one expert per run)"
+            )
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg.model, self.expert[1] if self.both else None)
         self.lora = cfg.model.lora is not None

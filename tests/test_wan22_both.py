@@ -302,3 +302,22 @@ def test_both_bad_input_is_one_line(tmp_path):
         ValueError, match=r"model.expert=both needs the experts' switch: set model.boundary_ratio"
     ):
         Trainer(cfg, device=torch.device("cpu"))
+
+
+def test_memory_model_counts_the_idle_expert():
+    """The idle expert at rest: 16 bytes a parameter over W when sharded (fp32 master, fp32 gradient,
+    two AdamW moments), on the GPU ('sharded') or the host ('cpu'); the running expert as one model.
+    Planted: the idle expert left out (experts ignored) -> the first assertion fails."""
+    from dynamic_cp.planning.memory import memory_breakdown, resolve_dims
+
+    P, W = float(resolve_dims("wan-14b").num_params), 8
+    for mode in ("per_step", "per_layer"):
+        one = memory_breakdown("wan-14b", mode, W, 4096, True)
+        kept = memory_breakdown("wan-14b", mode, W, 4096, True, experts=2, idle_expert="sharded")
+        off = memory_breakdown("wan-14b", mode, W, 4096, True, experts=2, idle_expert="cpu")
+        assert kept.total == pytest.approx(one.total + 16 * P / W), mode
+        assert off.total == pytest.approx(one.total) and off.host == pytest.approx(16 * P / W), mode
+    lora = memory_breakdown("wan-14b", "lora", W, 4096, True, experts=2)
+    assert lora.idle_expert > 2 * P  # a second frozen bf16 base, and its adapters' states
+    with pytest.raises(ValueError, match="idle_expert='gpu'; use 'sharded' or 'cpu'"):
+        memory_breakdown("wan-14b", "per_layer", W, experts=2, idle_expert="gpu")

@@ -88,11 +88,21 @@ def auto_fsdp_choice(cfg, world_size: int, memory_bytes: float, dims=None) -> tu
     dims = model_dims_of(cfg) if dims is None else dims
     cap = cap_tokens_of(cfg)
     ckpt, ema = cfg.model.gradient_checkpointing, cfg.train.ema_decay > 0
+    two = {"experts": 2 if cfg.model.expert == "both" else 1, "idle_expert": cfg.model.idle_expert}
     if cfg.model.lora is not None:
-        mem = memory_breakdown(dims, "lora", world_size, cap, ckpt, ema=ema, lora_rank=cfg.model.lora.rank)
+        mem = memory_breakdown(
+            dims, "lora", world_size, cap, ckpt, ema=ema, lora_rank=cfg.model.lora.rank, **two
+        )
         return "none", mem.total, cap
     return choose_fsdp_mode(
-        dims, world_size, cap, memory_bytes, ckpt, shard_optimizer=cfg.parallel.shard_optimizer, ema=ema
+        dims,
+        world_size,
+        cap,
+        memory_bytes,
+        ckpt,
+        shard_optimizer=cfg.parallel.shard_optimizer,
+        ema=ema,
+        **two,
     )
 
 
