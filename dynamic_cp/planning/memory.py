@@ -64,16 +64,19 @@ class MemoryBreakdown:
         return self.states + self.activations
 
     def rows(self) -> list[tuple[str, float]]:
+        """(part, bytes) rows; the idle expert's only for two experts (model.expert=both)."""
+        idle = [("idle expert at rest", self.idle_expert)] if self.idle_expert else []
+        host = [("host: idle expert offloaded", self.host)] if self.host else []
         return [
             ("master weights (fp32)", self.master_weights),
             ("gradients", self.gradients),
             ("optimizer moments", self.optimizer),
             ("compute-dtype weights (bf16)", self.compute_weights),
             ("EMA (fp32)", self.ema),
-            ("idle expert (sharded)", self.idle_expert),
+            *idle,
             (f"activations ({self.tokens:,.0f} tokens)", self.activations),
             ("total", self.total),
-            ("host: idle expert offloaded", self.host),
+            *host,
         ]
 
 
