@@ -1,6 +1,7 @@
 """``model.expert: both`` (Wan2.2 A14B's two experts in one run) equals one process, and routes right.
 
-Distributed parity: on 2 and 4 gloo ranks, Dynamic-CP with replicated weights (the ZeRO-1 default, one
+Distributed parity (and, at W=2, per_layer's sharded checkpoint of both experts and both optimizers
+read back bit for bit): on 2 and 4 gloo ranks, Dynamic-CP with replicated weights (the ZeRO-1 default, one
 ZeRO optimizer per expert) and FSDP2 (per_step and per_layer, each expert sharded on its own) run 3
 steps of the two-expert model of tests/test_fsdp.py; every step's loss and gradient norm and BOTH
 experts' final weights must match single-process training on the same global batches within 1e-5
@@ -102,6 +103,24 @@ def worker(rank: int, world_size: int, root: str) -> dict:
             cfg = _config(f"{root}/{mode}", world_size, **{"parallel.fsdp": mode})
             trainer = (PerturbedFSDP if mode != "none" else PerturbedDistributed)(cfg, dist.group.WORLD)
             out[mode] = steps_of(trainer)
+        if world_size == 2:  # the sharded checkpoint of both experts and optimizers, read back
+            trainer.save()
+            resumed = PerturbedFSDP(cfg, dist.group.WORLD, resume=f"{root}/{mode}/checkpoints")
+            out["resumed"] = {
+                "step": resumed.step,
+                "params": {n: _full(p) for n, p in resumed.model.named_parameters()},
+                "moments_equal": all(
+                    torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
+                    for name in ("high", "low")
+                    for a, b in zip(
+                        trainer.optimizer.parts[name].state.values(),
+                        resumed.optimizer.parts[name].state.values(),
+                    )
+                ),
+                "folders": sorted(
+                    p.name for p in Path(f"{root}/{mode}/checkpoints/step_000003/model").iterdir()
+                ),
+            }
         return out if rank == 0 else {}
     except Exception:
         return {"error": traceback.format_exc()}
@@ -151,6 +170,11 @@ def test_both_experts_on_gloo_ranks_equal_one_process(tmp_path, world_size):
         for name, want in ref["params"].items():
             err = _rel(got["params"][name], want)
             assert err < REL_TOL, f"{label}: {name} differs from one process by {err:.2e}"
+    if world_size == 2:  # per_layer's checkpoint: both experts' shards and AdamW moments, bit for bit
+        back = res[0]["resumed"]
+        assert back["step"] == STEPS and back["moments_equal"]
+        assert all(torch.equal(back["params"][n], p) for n, p in res[0]["per_layer"]["params"].items())
+        assert back["folders"] == ["model_index.json", "transformer", "transformer_2"]
 
 
 # ----------------------------------------------------------------------------- one process
