@@ -312,6 +312,15 @@ def test_both_resumes_exactly(tmp_path):
     step_dir = tmp_path / "cut" / "run" / "checkpoints" / "step_000001" / "model"
     assert (step_dir / "transformer").is_dir() and (step_dir / "transformer_2").is_dir()
 
+    # sample.py --checkpoint of the run: both experts' EMA weights, switching at the run's boundary
+    from dit.experts import ExpertPair
+    from dit.sampler_setup import load_checkpoint_sampler
+
+    sampler = load_checkpoint_sampler(str(tmp_path / "whole" / "run"), "ema", None, 1.0, "cpu")
+    assert isinstance(sampler.model, ExpertPair) and sampler.model.boundary_ratio == 0.875
+    for (n, a), (_, b) in zip(sampler.model.named_parameters(), whole.ema.model.named_parameters()):
+        assert torch.equal(a, b), f"sampled {n}"
+
 
 def test_both_bad_input_is_one_line(tmp_path):
     from test_lora import make_wan
