@@ -22,7 +22,9 @@ Planted and caught (each run, failing, then restored):
   (``DistributedTrainer._all_reduce``): the idle expert's AdamW steps on its momentum and the
   replicated parity tests fail at W=2 and W=4;
 - the planner ignoring the experts (``plan_per_expert`` treating every clip as high): the W=2 test
-  fails.
+  fails;
+- the sharded checkpoint holding the high expert's optimizer only (``FSDPTrainer._optimizers``
+  returning one): the W=2 test's read-back of the low expert's AdamW moments fails.
 """
 
 from __future__ import annotations
@@ -109,13 +111,17 @@ def worker(rank: int, world_size: int, root: str) -> dict:
             out["resumed"] = {
                 "step": resumed.step,
                 "params": {n: _full(p) for n, p in resumed.model.named_parameters()},
+                # every expert's moments, as many as before (an expert's state left out loads as none)
                 "moments_equal": all(
-                    torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
-                    for name in ("high", "low")
-                    for a, b in zip(
-                        trainer.optimizer.parts[name].state.values(),
-                        resumed.optimizer.parts[name].state.values(),
+                    len(resumed.optimizer.parts[name].state) == len(trainer.optimizer.parts[name].state) > 0
+                    and all(
+                        torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
+                        for a, b in zip(
+                            trainer.optimizer.parts[name].state.values(),
+                            resumed.optimizer.parts[name].state.values(),
+                        )
                     )
+                    for name in ("high", "low")
                 ),
                 "folders": sorted(
                     p.name for p in Path(f"{root}/{mode}/checkpoints/step_000003/model").iterdir()
