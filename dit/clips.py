@@ -21,6 +21,7 @@ from dit.config import FlowConfig
 from dit.flow import (
     add_noise,
     clip_token_weights,
+    draw_expert,
     flow_loss,
     model_timesteps,
     sample_expert_sigma,
@@ -35,6 +36,15 @@ from dit.ti2v import check_first_frame_patch, first_frame_tokens, replace_first_
 
 def clip_generator(seed: int, step: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_033 + index) % (2**63 - 1))
+
+
+def clip_expert(flow: FlowConfig, seed: int, step: int, index: int, num_tokens: int, boundary: float) -> str:
+    """The expert (model.expert=both) that clip ``index`` trains at ``step``: from metadata alone (its
+    token count sets the shift when flow.shift is None), so the planner knows it before any load."""
+    shift = flow.shift if flow.shift is not None else float(shift_for_tokens(num_tokens))
+    return draw_expert(
+        seed, step, index, flow.timestep_sampling, flow.logit_mean, flow.logit_std, shift, boundary
+    )
 
 
 @dataclass
@@ -151,7 +161,8 @@ def prepare_clip(
     expert: tuple[str, float] | None = None,
 ) -> TrainClip:
     """``expert``: (name, boundary_ratio) of a Wan2.2 A14B expert, whose sigma stays on its side of
-    the pipeline's switch (``dit.flow.sample_expert_sigma``); None draws from the whole range."""
+    the pipeline's switch (``dit.flow.sample_expert_sigma``); None draws from the whole range. Name
+    'both' draws the clip's expert first (``clip_expert``), then its sigma on that side."""
     g = clip_generator(seed, step, sample["index"])
     drop = bool(torch.rand((), generator=g) < caption_dropout)
     latent, text = encoder.encode(sample, drop)
@@ -163,7 +174,10 @@ def prepare_clip(
         sigma = float(shift_sigmas(sigma, shift))
     else:
         mode, mean, std = flow.timestep_sampling, flow.logit_mean, flow.logit_std
-        sigma = sample_expert_sigma(g, mode, mean, std, float(shift), *expert)
+        name, boundary = expert
+        if name == "both":
+            name = clip_expert(flow, seed, step, sample["index"], x0.shape[0], boundary)
+        sigma = sample_expert_sigma(g, mode, mean, std, float(shift), name, boundary)
     noise = torch.randn(x0.shape, generator=g).to(x0.device)
     clip = TrainClip(sample["index"], x0, noise, sigma, grid_positions(grid, x0.device), text)
     # drawn last and only when asked for, so text-to-video runs keep their random stream; a one-frame

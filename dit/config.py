@@ -50,8 +50,14 @@ class ModelConfig:
     # torch.compile each transformer block (dynamic shapes; attention stays eager): dit/compile.py
     compile: bool = False
     # Wan2.2 A14B: train one expert, 'high' (the pipeline's transformer/, t >= boundary_ratio * 1000)
-    # or 'low' (transformer_2/, below); each clip's timestep is drawn on its side. None = one model
+    # or 'low' (transformer_2/, below); each clip's timestep is drawn on its side. 'both' trains the
+    # two in one run, each micro-batch routed to the expert on whose side its clips' timesteps fall,
+    # each expert with its own optimizer, LR schedule and EMA. None = one model
     expert: str | None = None
+    # model.expert=both: where the expert that runs no micro-batch of a step waits, for the memory
+    # model and --dry-run: 'sharded' (kept like the other, FSDP-sharded under parallel.fsdp) or 'cpu'
+    # (its weights and optimizer states offloaded to host memory)
+    idle_expert: str = "sharded"
     # the expert switch on the shifted schedule (0.875 T2V-A14B, 0.9 I2V-A14B); None = the
     # model_index.json of model.pretrained
     boundary_ratio: float | None = None
@@ -60,10 +66,15 @@ class ModelConfig:
         from dit.flow import EXPERTS
         from dit.sizes import MODEL_SIZES
 
-        if self.expert is not None and self.expert not in EXPERTS:
+        if self.expert is not None and self.expert not in (*EXPERTS, "both"):
             raise ValueError(
-                f"model.expert={self.expert!r} is not an expert; choose 'high' (transformer/, high noise) or "
-                "'low' (transformer_2/, low noise), or null for a one-model checkpoint"
+                f"model.expert={self.expert!r} is not an expert; choose 'high' (transformer/, high noise), "
+                "'low' (transformer_2/, low noise) or 'both', or null for a one-model checkpoint"
+            )
+        if self.idle_expert not in ("sharded", "cpu"):
+            raise ValueError(
+                f"model.idle_expert={self.idle_expert!r}; choose 'sharded' (kept with the other) or 'cpu' "
+                "(offloaded while the other runs)"
             )
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
             raise ValueError(
@@ -73,7 +84,7 @@ class ModelConfig:
         if self.boundary_ratio is not None and self.expert is None:
             raise ValueError(
                 f"model.boundary_ratio={self.boundary_ratio} splits the timesteps between two experts; set "
-                "model.expert=high or low too (or drop model.boundary_ratio)"
+                "model.expert=high, low or both too (or drop model.boundary_ratio)"
             )
 
         if self.size not in MODEL_SIZES:

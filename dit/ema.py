@@ -14,10 +14,15 @@ class EMA:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        ema_params = list(self.model.parameters())
-        params = [p.detach() for p in model.parameters()]
-        torch._foreach_lerp_(ema_params, params, 1.0 - self.decay)
+    def update(self, model: torch.nn.Module, only: tuple[str, ...] | None = None) -> None:
+        """``only``: name prefixes to update (model.expert=both: the experts that stepped)."""
+        pairs = [
+            (e, p.detach())
+            for (n, e), p in zip(self.model.named_parameters(), model.parameters())
+            if only is None or n.startswith(only)
+        ]
+        if pairs:
+            torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - self.decay)
 
 
 class AdapterEMA:
@@ -29,9 +34,11 @@ class AdapterEMA:
         self.state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
+    def update(self, model: torch.nn.Module, only: tuple[str, ...] | None = None) -> None:
         live = dict(model.named_parameters())
-        names = list(self.state)
+        names = [n for n in self.state if only is None or n.startswith(only)]
+        if not names:
+            return
         torch._foreach_lerp_(
             [self.state[n] for n in names], [live[n].detach() for n in names], 1.0 - self.decay
         )

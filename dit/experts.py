@@ -7,7 +7,7 @@ t >= boundary_ratio * 1000 and ``transformer_2`` below, with ``guidance_scale_2`
 (``dit.sampling.guidance_at``). Every branch and shard of one denoising step shares its t, so a
 forward call is one expert's; the sampler (``dit/sampling.py``, ``dynamic_cp/runtime/sampling.py``)
 calls this module as it calls one VideoDiT. Training takes one expert (``model.expert``,
-``dit.flow.sample_expert_sigma``).
+``dit.flow.sample_expert_sigma``), or both (``model.expert: both``, ``dit/expert_training.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,27 @@ class ExpertPair(nn.Module):
         high = on_expert_side(timesteps.float(), "high", self.boundary_ratio)
         assert bool(high.all()) or not bool(high.any()), "one forward call mixes the experts' timesteps"
         return self.high if bool(high.all()) else self.low
+
+    def save_pretrained(self, directory) -> None:
+        """A Wan2.2 A14B-shaped folder: ``transformer/`` (high), ``transformer_2/`` (low) and a
+        model_index.json with the switch, which model.pretrained (and model.expert) reads back."""
+        from pathlib import Path
+
+        from dit.wan_import import EXPERT_FOLDERS
+
+        directory = Path(directory)
+        for name, folder in EXPERT_FOLDERS.items():
+            getattr(self, name).save_pretrained(directory / folder)
+        self.write_index(directory)
+
+    def write_index(self, directory) -> None:
+        """The model_index.json that marks ``directory`` as two experts switching at the boundary."""
+        import json
+        from pathlib import Path
+
+        cls = ["dit.model", type(self.high).__name__]
+        index = {"transformer": cls, "transformer_2": cls, "boundary_ratio": self.boundary_ratio}
+        (Path(directory) / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def forward(self, x, positions, seq_lens, timesteps, *args, **kwargs):
         """VideoDiT's forward, run by the expert that the pipeline runs at ``timesteps`` (b,)."""

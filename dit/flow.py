@@ -136,3 +136,38 @@ def sample_expert_sigma(
             return float(sigma)
         sigma = torch.nextafter(sigma, toward)
     raise AssertionError(f"no float32 sigma on the {expert} side of {boundary}")  # b in (0, 1) has one
+
+
+# model.expert=both trains the two experts in one run. Each clip's expert is drawn first, with the
+# probability that the flow distribution (shifted) puts on that expert's side, then its sigma on that
+# side (sample_expert_sigma): the two steps compose to the unsplit distribution, so each expert sees
+# exactly the sigmas a run of that expert alone draws. The draw is per clip, from (seed, step, dataset
+# index) on a stream of its own, not per micro-batch: micro-batches are formed by the planner (or the
+# one-process token packing) from the lengths, so a per-micro-batch draw would differ between one
+# process and W ranks; a per-clip draw is the same everywhere, and the planner then packs each
+# expert's clips apart, so every micro-batch still runs one expert.
+
+
+def expert_share(mode: str, mean: float, std: float, shift: float, boundary: float) -> float:
+    """P(the shifted sigma of one draw lies on the high expert's side of ``boundary``)."""
+    u_b = unshift_sigma(boundary, shift)
+    if mode == "uniform":
+        lo, hi = 1e-5, 1 - 1e-5  # sample_sigmas' clamp
+        return min(max((hi - u_b) / (hi - lo), 0.0), 1.0)
+    if mode != "logit_normal":
+        raise ValueError(f"flow.timestep_sampling={mode!r} is not supported; use 'logit_normal' or 'uniform'")
+    z = torch.tensor(u_b, dtype=torch.float64).logit()
+    return float(1.0 - torch.special.ndtr((z - mean) / std))
+
+
+def expert_generator(seed: int, step: int, index: int) -> torch.Generator:
+    """The expert draw's own stream (index -1 - i never names a clip, so it shares no clip's stream)."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_033 - 1 - index) % (2**63 - 1))
+
+
+def draw_expert(
+    seed: int, step: int, index: int, mode: str, mean: float, std: float, shift: float, boundary: float
+) -> str:
+    """'high' or 'low' for clip ``index`` at ``step``: a pure function, the same on every rank."""
+    r = float(torch.rand((), generator=expert_generator(seed, step, index), dtype=torch.float64))
+    return "high" if r < expert_share(mode, mean, std, shift, boundary) else "low"

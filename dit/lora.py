@@ -272,6 +272,46 @@ def adapter_values(model, path: str | Path, adapter_name: str = ADAPTER) -> dict
     return {names[k]: v for k, v in state.items()}
 
 
+def _experts_of(model):
+    """[(name, folder, expert)] of a model.expert=both ExpertPair, else None."""
+    from dit.experts import ExpertPair
+
+    if not isinstance(model, ExpertPair):
+        return None
+    from dit.wan_import import EXPERT_FOLDERS
+
+    return [(name, folder, getattr(model, name)) for name, folder in EXPERT_FOLDERS.items()]
+
+
+def save_model_lora(model, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> list[Path]:
+    """``save_lora``; of a model.expert=both pair, one file per expert, in the pipeline's folder names:
+    ``directory/transformer/`` (high: ``pipe.load_lora_weights(that folder)``) and
+    ``directory/transformer_2/`` (low: ``load_lora_weights(that folder, load_into_transformer_2=True)``)."""
+    experts = _experts_of(model)
+    if experts is None:
+        return [save_lora(model, directory, state=state)]
+    paths = []
+    for name, folder, expert in experts:
+        prefix = f"{name}."
+        sub = (
+            None if state is None else {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        )
+        paths.append(save_lora(expert, Path(directory) / folder, state=sub))
+    return paths
+
+
+def model_adapter_values(model, path: str | Path) -> dict[str, torch.Tensor]:
+    """``adapter_values``; of a model.expert=both pair, each expert's from its folder of ``path``."""
+    experts = _experts_of(model)
+    if experts is None:
+        return adapter_values(model, path)
+    return {
+        f"{name}.{k}": v
+        for name, folder, expert in experts
+        for k, v in adapter_values(expert, Path(path) / folder).items()
+    }
+
+
 class LoraFiles:
     """What ``dit.checkpoint.save_checkpoint`` saves for a model under LoRA: only the adapter, as
     ``pytorch_lora_weights.safetensors`` (``state``: {parameter name: tensor} in place of the live
@@ -281,7 +321,7 @@ class LoraFiles:
         self.model, self.state = model, state
 
     def save_pretrained(self, directory: str | Path) -> None:
-        save_lora(self.model, directory, state=self.state)
+        save_model_lora(self.model, directory, state=self.state)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -67,6 +67,8 @@ def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float)
     from dit.model import VideoDiT
     from dit.setup import build_model
 
+    if cfg.model.expert == "both":  # two experts: transformer/ and transformer_2/ of ``weights``
+        return load_both_experts(cfg, weights, lora, lora_scale)
     if (weights / lora_lib.WEIGHT_NAME).is_file():  # a LoRA run saved only its adapter
         torch.manual_seed(cfg.train.seed)  # a base without model.pretrained is the run's seeded init
         model = build_model(cfg.model)  # the base it trained on
@@ -78,6 +80,33 @@ def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float)
     return model
 
 
+def load_both_experts(cfg, weights: Path, lora: str | None, lora_scale: float):
+    """A model.expert=both checkpoint as one ExpertPair: its two experts' weights (a LoRA run's: each
+    expert's base with its own adapter merged). ``--lora`` is refused: a file holds one expert's."""
+    from dit import lora as lora_lib
+    from dit.experts import ExpertPair
+    from dit.setup import build_model, expert_of
+    from dit.wan_import import EXPERT_FOLDERS, load_pretrained
+
+    if lora is not None:
+        raise ValueError(
+            f"--lora {lora} with a model.expert=both checkpoint: a LoRA file holds one expert's adapter; merge "
+            "it into that expert's folder (python -m dit.lora merge) and sample with --pretrained"
+        )
+    ratio = expert_of(cfg.model)[1]
+    if not (weights / "transformer" / lora_lib.WEIGHT_NAME).is_file():
+        return ExpertPair(
+            load_pretrained(weights, expert="high"), load_pretrained(weights, expert="low"), ratio
+        )
+    torch.manual_seed(cfg.train.seed)  # a base without model.pretrained is the run's seeded init
+    pair = build_model(cfg.model, ratio)  # the bases it trained on
+    for name, folder in EXPERT_FOLDERS.items():
+        expert = getattr(pair, name)
+        lora_lib.load_lora(expert, weights / folder, adapter_name="trained")
+        lora_lib.merge_lora(expert)
+    return pair
+
+
 def with_other_expert(cfg, model):
     """A run that trained one Wan2.2 A14B expert (``model.expert``) of a two-expert ``model.pretrained``
     folder samples with that folder's other expert beside it (``dit.experts.ExpertPair``, switching at
@@ -86,7 +115,9 @@ def with_other_expert(cfg, model):
     from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
 
     expert = expert_of(cfg.model)
-    if expert is None or not cfg.model.pretrained or not is_two_expert(pipeline_index(cfg.model.pretrained)):
+    if expert is None or expert[0] == "both" or not cfg.model.pretrained:
+        return model  # model.expert=both: the checkpoint holds both experts already
+    if not is_two_expert(pipeline_index(cfg.model.pretrained)):
         return model
     from dit.experts import ExpertPair
 

@@ -25,7 +25,8 @@ def model_config_of(cfg: ModelConfig) -> dict:
         videodit_config,
     )
 
-    config = json.loads((transformer_folder(cfg.pretrained, cfg.expert) / "config.json").read_text())
+    expert = "high" if cfg.expert == "both" else cfg.expert  # the two experts share their shapes
+    config = json.loads((transformer_folder(cfg.pretrained, expert) / "config.json").read_text())
     if config.get("_class_name") == OUR_CLASS:
         config = {k: v for k, v in config.items() if not k.startswith("_")}
     else:
@@ -43,7 +44,26 @@ def size_expands_timesteps(cfg: ModelConfig) -> bool:
     return bool(MODEL_SIZES.get(cfg.size, {}).get("expand_timesteps"))
 
 
-def build_model(cfg: ModelConfig) -> VideoDiT:
+def build_model(cfg: ModelConfig, boundary_ratio: float | None = None):
+    """The VideoDiT ``cfg`` names; under model.expert=both an ``ExpertPair`` of two (high built
+    first, so random ones differ), switching at ``boundary_ratio``."""
+    if cfg.expert == "both":
+        from dataclasses import replace
+
+        from dit.experts import ExpertPair
+
+        if cfg.pretrained:
+            from dit.wan_import import is_two_expert, pipeline_index, transformer_folder
+
+            transformer_folder(cfg.pretrained, "high")  # a folder that is not there says so first
+            if not is_two_expert(pipeline_index(cfg.pretrained)):
+                raise ValueError(
+                    f"model.expert=both: {cfg.pretrained} holds one transformer, no transformer_2/ (Wan2.2 "
+                    "A14B's low-noise expert); point model.pretrained at a Wan2.2 A14B pipeline folder or "
+                    "a model.expert=both checkpoint's model/, or train one expert with model.expert=high|low"
+                )
+        high, low = (build_model(replace(cfg, expert=name)) for name in ("high", "low"))
+        return ExpertPair(high, low, boundary_ratio)
     if cfg.pretrained and cfg.overrides:
         raise ValueError(
             f"model.overrides {sorted(cfg.overrides)} cannot change a pretrained model ({cfg.pretrained}); "

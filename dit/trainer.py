@@ -66,6 +66,25 @@ def _step_of(line: str) -> float:
         return math.inf
 
 
+def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
+    """``load_weights`` of one VideoDiT, or of both experts of an ExpertPair (its save_pretrained
+    folders: transformer/ and transformer_2/)."""
+    from dit.experts import ExpertPair
+
+    if not isinstance(model, ExpertPair):
+        load_weights(model, directory)
+        return
+    from dit.wan_import import EXPERT_FOLDERS
+
+    for name, folder in EXPERT_FOLDERS.items():
+        if not (directory / folder).is_dir():
+            raise ValueError(
+                f"model.expert=both: {directory} holds no {folder}/ (one expert's checkpoint); resume "
+                "it with model.expert=high or low, or start both from a Wan2.2 A14B folder"
+            )
+        load_weights(getattr(model, name), directory / folder)
+
+
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
 
@@ -83,6 +102,12 @@ class Trainer:
                 "leave no whole checkpoint to resume; keep 2 or more"
             )
         self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
+        if self.expert and self.expert[0] == "both" and cfg.train.sample_every:
+            raise ValueError(
+                f"train.sample_every={cfg.train.sample_every} with model.expert=both: validation clips of two "
+                "experts are not supported yet; set train.sample_every=0 and sample the checkpoint's model/ "
+                "with sample.py --pretrained"
+            )
         if self.expert and cfg.train.sample_every:
             raise ValueError(
                 f"train.sample_every={cfg.train.sample_every} with model.expert={self.expert[0]}: validation "
@@ -90,14 +115,29 @@ class Trainer:
                 "experts with sample.py --pretrained"
             )
         self.val_sigmas = self._val_sigmas()
+        self.both = bool(self.expert) and self.expert[0] == "both"  # two experts, dit/expert_training.py
+        if self.both and cfg.model.idle_expert == "cpu":
+            raise ValueError(
+                "model.idle_expert=cpu is priced by --dry-run (dynamic_cp/planning/memory.py) but training does "
+                "not offload the idle expert yet; set model.idle_expert=sharded (or train one expert per run)"
+            )
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, self.expert[1] if self.both else None)
         self.lora = cfg.model.lora is not None
         if self.lora:  # frozen base in the compute dtype, fp32 adapters: the only trainable parameters
             from dit.lora import setup_lora
 
             # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
-            setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
+            if self.both:  # one adapter per expert, each saved as its own diffusers file
+                if cfg.model.lora_init is not None:
+                    raise ValueError(
+                        f"model.lora_init={cfg.model.lora_init} with model.expert=both: one file cannot start "
+                        "both experts' adapters; drop model.lora_init, or train one expert (model.expert=high|low)"
+                    )
+                for expert in (model.high, model.low):
+                    setup_lora(expert, cfg.model.lora, None, self.compute_dtype())
+            else:
+                setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
         self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
         self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
@@ -136,7 +176,12 @@ class Trainer:
             )  # built now (training needs it): a bad path fails here, not at step 1
         self._shard_model()
         self.optimizer = self._build_optimizer()
-        self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
+        if self.both:
+            from dit.expert_training import ExpertSchedules
+
+            self.lr_schedule = ExpertSchedules(self.optimizer, lambda opt: build_lr_schedule(cfg.train, opt))
+        else:
+            self.lr_schedule = build_lr_schedule(cfg.train, self.optimizer)
         self.ema = self._build_ema() if cfg.train.ema_decay > 0 else None
         if cfg.model.compile:  # after the EMA copy: the EMA model only samples, eagerly
             compile_blocks(self.model)
@@ -155,7 +200,7 @@ class Trainer:
         """flow.val_sigmas, less those on the other expert's side of the switch (an expert is never
         run there, so its loss there says nothing)."""
         sigmas = list(self.cfg.flow.val_sigmas)
-        if self.expert is None:
+        if self.expert is None or self.expert[0] == "both":  # both: each sigma's own expert answers
             return sigmas
         from dit.flow import model_timesteps, on_expert_side
 
@@ -174,8 +219,16 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """The run's optimizer over the trainable parameters (the distributed runtime may shard its states)."""
-        return build_optimizer(self.cfg.train, self.trainable_parameters())
+        """The run's optimizer over the trainable parameters; under model.expert=both one per expert."""
+        if self.both:
+            from dit.expert_training import ExpertOptimizers
+
+            return ExpertOptimizers(self.model, self._optimizer_over)  # type: ignore[return-value]
+        return self._optimizer_over(self.trainable_parameters())
+
+    def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """An optimizer over ``params`` (the distributed runtime may shard its states)."""
+        return build_optimizer(self.cfg.train, params)
 
     def _shard_model(self) -> None:
         """Where the distributed runtime shards the weights (FSDP), before the optimizer sees them."""
@@ -186,8 +239,16 @@ class Trainer:
         return (AdapterEMA if self.lora else EMA)(self.model, self.cfg.train.ema_decay)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Clip the trainable gradients to ``max_norm`` (inf: no clipping); -> their total norm."""
-        return torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+        """Clip the trainable gradients to ``max_norm`` (inf: no clipping); -> their total norm.
+        Under model.expert=both each expert's on its own; -> the norm of both."""
+        if self.both:
+            from dit.expert_training import clip_expert_gradients
+
+            return clip_expert_gradients(self.model, max_norm, self._clip)
+        return self._clip(self.trainable_parameters(), max_norm)
+
+    def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -215,21 +276,21 @@ class Trainer:
             print(f"resumed from {step_dir} at step {self.step}")
 
     def _resume_lora(self, step_dir: Path) -> None:
-        from dit.lora import adapter_values
+        from dit.lora import model_adapter_values
 
         live = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, value in adapter_values(self.model, step_dir / "model").items():
+            for name, value in model_adapter_values(self.model, step_dir / "model").items():
                 live[name].copy_(value)
         if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed adapters
             ema_dir = step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
-            for name, value in adapter_values(self.model, ema_dir).items():
+            for name, value in model_adapter_values(self.model, ema_dir).items():
                 self.ema.state[name].copy_(value)
 
     def _resume_weights(self, step_dir: Path) -> None:
-        load_weights(self.model, step_dir / "model")
+        load_model_weights(self.model, step_dir / "model")
         if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
-            load_weights(
+            load_model_weights(
                 self.ema.model, step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
             )
 
@@ -318,9 +379,8 @@ class Trainer:
         """Forward and backward over the micro-batches, then one optimizer step. Returns metrics."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        lengths = [c.num_tokens for c in clips]
         total = 0.0
-        for group in pack_by_token_budget(lengths, self.cfg.train.micro_batch_tokens):
+        for group in self._micro_batches(clips):
             mb = [clips[i] for i in group]
             with self.autocast():
                 loss = micro_batch_loss(
@@ -329,6 +389,23 @@ class Trainer:
             loss.backward()
             total += loss.item()
         return self.finish_step(total)
+
+    def _micro_batches(self, clips: list[TrainClip]) -> list[list[int]]:
+        """Token-budget packing; under model.expert=both each expert's clips apart (high first), so
+        every micro-batch runs one expert."""
+        budget = self.cfg.train.micro_batch_tokens
+        if not self.both:
+            return pack_by_token_budget([c.num_tokens for c in clips], budget)
+        from dit.expert_training import expert_of_clip
+        from dit.flow import EXPERTS
+
+        groups = []
+        for name in EXPERTS:
+            ids = [i for i, c in enumerate(clips) if expert_of_clip(c, self.expert[1]) == name]
+            groups += [
+                [ids[j] for j in g] for g in pack_by_token_budget([clips[i].num_tokens for i in ids], budget)
+            ]
+        return groups
 
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
@@ -349,7 +426,9 @@ class Trainer:
         self.optimizer.step()
         self.lr_schedule.step()
         if self.ema is not None:
-            self.ema.update(self.model)
+            # model.expert=both: only the experts that stepped (an idle one's average stays put)
+            only = tuple(f"{n}." for n in self.optimizer.active) if self.both else None
+            self.ema.update(self.model, only)
         return {"loss": loss, "grad_norm": float(grad_norm)}
 
     @torch.no_grad()
@@ -417,12 +496,15 @@ class Trainer:
 
     def export_lora(self) -> Path:
         """The run's LoRA in diffusers' format: ``<output_dir>/pytorch_lora_weights.safetensors`` (the
-        EMA adapters when there is an EMA), for ``WanPipeline.load_lora_weights(output_dir)``."""
-        from dit.lora import save_lora
+        EMA adapters when there is an EMA), for ``WanPipeline.load_lora_weights(output_dir)``; under
+        model.expert=both one per expert, ``<output_dir>/transformer/`` and ``transformer_2/``
+        (``load_lora_weights(that folder, load_into_transformer_2=True)`` for the low expert's)."""
+        from dit.lora import save_model_lora
 
-        path = save_lora(self.model, self.out, state=self.ema.state if self.ema else None)
-        print(f"wrote {path}")
-        return path
+        paths = save_model_lora(self.model, self.out, state=self.ema.state if self.ema else None)
+        for path in paths:
+            print(f"wrote {path}")
+        return paths[0]
 
     # ----------------------------------------------------------------------------- loop
 

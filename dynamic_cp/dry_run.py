@@ -92,7 +92,11 @@ def memory_estimate(cfg: Config, model: VideoDiT, cost_model: CostModel, world_s
         "activations": cost_model.activation_bytes_per_token(cfg.model.gradient_checkpointing)
         * (cap_tokens_of(cfg) if p.mode != "none" else t.micro_batch_tokens),
     }
-    parts["total"] = sum(parts.values())
+    if cfg.model.expert == "both":  # the idle expert at rest: on the GPU ('sharded') or the host ('cpu')
+        rest = sum(parts[k] for k in ("weights", "gradients", "optimizer", "ema"))
+        on_gpu = cfg.model.idle_expert == "sharded"
+        parts["idle expert"], parts["host"] = (rest, 0.0) if on_gpu else (0.0, rest)
+    parts["total"] = sum(v for k, v in parts.items() if k != "host")
     parts["gpu"] = cost_model.hw.memory_bytes
     return parts
 
@@ -110,19 +114,20 @@ def sharded_memory_estimate(
     mode = cfg.parallel.fsdp
     if mode == "auto":
         mode = auto_fsdp_choice(cfg, world_size, replicated["gpu"], dims)[0]
+    two = {"experts": 2 if cfg.model.expert == "both" else 1, "idle_expert": cfg.model.idle_expert}
     if (
         cfg.model.lora is not None
     ):  # a frozen bf16 base and replicated adapters, as auto_fsdp_choice prices it
         m = memory_breakdown(
             dims, "lora", world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
-            ema=cfg.train.ema_decay > 0, lora_rank=cfg.model.lora.rank,
+            ema=cfg.train.ema_decay > 0, lora_rank=cfg.model.lora.rank, **two,
         )  # fmt: skip
     elif mode == "none":
         return mode, replicated
     else:
         m = memory_breakdown(
             dims, mode, world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
-            shard_optimizer=cfg.parallel.shard_optimizer, ema=cfg.train.ema_decay > 0,
+            shard_optimizer=cfg.parallel.shard_optimizer, ema=cfg.train.ema_decay > 0, **two,
         )  # fmt: skip
     parts = {
         "weights": m.master_weights + m.compute_weights,
@@ -130,6 +135,8 @@ def sharded_memory_estimate(
         "optimizer": m.optimizer,
         "ema": m.ema,
         "activations": m.activations,
+        "idle expert": m.idle_expert,
+        "host": m.host,
     }
     return mode, {**parts, "total": m.total, "gpu": replicated["gpu"]}
 
@@ -153,11 +160,17 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
             from dit.setup import expert_of
 
             ratio = expert_of(cfg.model)[1]
-            side = f"t >= {ratio * 1000:g}" if cfg.model.expert == "high" else f"t < {ratio * 1000:g}"
-            echo(
-                f"  one Wan2.2 A14B expert: model.expert={cfg.model.expert} ({side}); every figure here is "
-                "per expert, and the other expert trains in its own run"
-            )
+            if cfg.model.expert == "both":
+                echo(
+                    f"  Wan2.2 A14B's two experts (model.expert=both, switch at t = {ratio * 1000:g}): "
+                    f"{_count(2 * params)} parameters in all; each micro-batch runs one expert"
+                )
+            else:
+                side = f"t >= {ratio * 1000:g}" if cfg.model.expert == "high" else f"t < {ratio * 1000:g}"
+                echo(
+                    f"  one Wan2.2 A14B expert: model.expert={cfg.model.expert} ({side}); every figure here is "
+                    "per expert, and the other expert trains in its own run"
+                )
         except ValueError as err:
             problems.append(str(err))
 
@@ -211,14 +224,24 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
         except ValueError as err:
             mode = "no mode fits; replicated shown"
             problems.append(f"parallel.fsdp: {err}")
-    parts = ", ".join(
-        f"{k} {_gb(mem[k])}" for k in ("weights", "gradients", "optimizer", "ema", "activations")
-    )
+    keys = ["weights", "gradients", "optimizer", "ema", "activations"]
+    if cfg.model.expert == "both":
+        keys += ["idle expert"]
+    parts = ", ".join(f"{k} {_gb(mem.get(k, 0.0))}" for k in keys)
     echo(
         f"memory per GPU (estimate, parallel.fsdp={cfg.parallel.fsdp}"
         f"{' -> ' + mode if cfg.parallel.fsdp == 'auto' else ''}): {_gb(mem['total'])} GB of "
         f"{mem['gpu'] / GB:.0f} GB ({cfg.parallel.hardware}): {parts} GB"
     )
+    if cfg.model.expert == "both":
+        where = (
+            "on the GPU"
+            if cfg.model.idle_expert == "sharded"
+            else f"{_gb(mem.get('host', 0.0))} GB on the host"
+        )
+        echo(
+            f"  two experts (model.expert=both): the idle one at rest {where} (model.idle_expert={cfg.model.idle_expert})"
+        )
     if mem["total"] > mem["gpu"]:
         echo("  does not fit: this run would run out of memory on this hardware profile")
 

@@ -89,11 +89,13 @@ def test_an_expert_sees_the_whole_flow_distribution_on_its_side(expert):
 
 
 def test_expert_config_errors_are_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"model.expert='both' is not an expert; choose 'high' .* or 'low'"):
-        load_config(TINY, ["model.expert=both"])
+    with pytest.raises(
+        ValueError, match=r"model.expert='mid' is not an expert; choose 'high' .*, 'low' .* or 'both'"
+    ):
+        load_config(TINY, ["model.expert=mid"])
     with pytest.raises(ValueError, match=r"model.boundary_ratio=1.5 must be in \(0, 1\)"):
         load_config(TINY, ["model.expert=high", "model.boundary_ratio=1.5"])
-    with pytest.raises(ValueError, match="set model.expert=high or low too"):
+    with pytest.raises(ValueError, match="set model.expert=high, low or both too"):
         load_config(TINY, ["model.boundary_ratio=0.9"])
     with pytest.raises(
         ValueError, match=r"model.expert=low needs the experts' switch: set model.boundary_ratio"

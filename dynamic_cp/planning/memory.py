@@ -16,6 +16,12 @@ and bf16 compute, as torchtitan trains (DESIGN.md "Memory at 14B"):
 Activations come on top: ``activation_bytes_per_token`` (cost_model.py) per token a rank holds. Only
 ``memory_fraction`` of HBM is planned for (allocator, NCCL buffers, workspace), as ``token_cap`` does.
 An fp32 EMA adds 4P (none) or 4P/W (sharded: EMA works on shards).
+
+Two experts (Wan2.2 A14B, ``model.expert: both``): one runs at a time (micro-batches are routed by
+timestep and per_step gathers one expert at a time), so the running expert costs the table above and
+the idle one its states at rest: ``idle_expert='sharded'`` keeps them on the GPU, 4P + 4P + moments
+(+ 4P EMA) replicated, 16P/W (+ 4P/W) sharded, 2P + 16A (+ 4A) for a LoRA's frozen base and adapters;
+``'cpu'`` moves them to host memory (``host``), leaving the GPU one expert's states.
 """
 
 from __future__ import annotations
@@ -40,11 +46,14 @@ class MemoryBreakdown:
     ema: float
     activations_per_token: float
     tokens: float = 0.0
+    idle_expert: float = 0.0  # two experts: the idle one's states at rest on the GPU
+    host: float = 0.0  # two experts with idle_expert='cpu': its states in host memory (not in total)
 
     @property
     def states(self) -> float:
         """Everything but activations."""
-        return self.master_weights + self.gradients + self.optimizer + self.compute_weights + self.ema
+        running = self.master_weights + self.gradients + self.optimizer + self.compute_weights + self.ema
+        return running + self.idle_expert
 
     @property
     def activations(self) -> float:
@@ -55,14 +64,19 @@ class MemoryBreakdown:
         return self.states + self.activations
 
     def rows(self) -> list[tuple[str, float]]:
+        """(part, bytes) rows; the idle expert's only for two experts (model.expert=both)."""
+        idle = [("idle expert at rest", self.idle_expert)] if self.idle_expert else []
+        host = [("host: idle expert offloaded", self.host)] if self.host else []
         return [
             ("master weights (fp32)", self.master_weights),
             ("gradients", self.gradients),
             ("optimizer moments", self.optimizer),
             ("compute-dtype weights (bf16)", self.compute_weights),
             ("EMA (fp32)", self.ema),
+            *idle,
             (f"activations ({self.tokens:,.0f} tokens)", self.activations),
             ("total", self.total),
+            *host,
         ]
 
 
@@ -90,12 +104,50 @@ def memory_breakdown(
     shard_optimizer: bool = True,
     ema: bool = False,
     lora_rank: int = 16,
+    experts: int = 1,
+    idle_expert: str = "sharded",
 ) -> MemoryBreakdown:
     """Bytes per GPU of ``mode`` (see the module docstring) with ``tokens`` tokens of activations.
 
     ``grad_accum_bytes``: per_step's unsharded gradient accumulator, 4 (fp32 reduce_dtype, what FSDP2
-    does) or 2 (bf16 reduction). ``lora_rank`` applies to mode 'lora' only.
+    does) or 2 (bf16 reduction). ``lora_rank`` applies to mode 'lora' only. ``experts`` 2: Wan2.2
+    A14B's two experts of ``model`` each, the idle one kept as ``idle_expert`` ('sharded' or 'cpu').
     """
+    from dataclasses import replace
+
+    if experts not in (1, 2):
+        raise ValueError(f"experts={experts}; use 1 or 2 (Wan2.2 A14B's model.expert=both)")
+    if idle_expert not in ("sharded", "cpu"):
+        raise ValueError(f"idle_expert={idle_expert!r}; use 'sharded' or 'cpu'")
+    one = _one_model(model, mode, world_size, tokens, activation_checkpointing, grad_accum_bytes,
+                     shard_optimizer, ema, lora_rank)  # fmt: skip
+    if experts == 1:
+        return one
+    dims = resolve_dims(model)
+    P, W = float(dims.num_params), world_size
+    if mode == "lora":
+        A = float(lora_params(dims, lora_rank))
+        rest = 2 * P + 16 * A + (4 * A if ema else 0.0)
+    elif mode == "none":
+        rest = 4 * P + 4 * P + (8 * P / W if shard_optimizer else 8 * P) + (4 * P if ema else 0.0)
+    else:
+        rest = 16 * P / W + (4 * P / W if ema else 0.0)
+    if idle_expert == "cpu":
+        return replace(one, host=rest)
+    return replace(one, idle_expert=rest)
+
+
+def _one_model(
+    model,
+    mode,
+    world_size,
+    tokens,
+    activation_checkpointing,
+    grad_accum_bytes,
+    shard_optimizer,
+    ema,
+    lora_rank,
+) -> MemoryBreakdown:
     dims = resolve_dims(model)
     if mode not in MEMORY_MODES:
         raise ValueError(f"fsdp mode {mode!r}; use one of {MEMORY_MODES}")
@@ -147,6 +199,8 @@ def choose_fsdp_mode(
     grad_accum_bytes: int = 4,
     shard_optimizer: bool = True,
     ema: bool = False,
+    experts: int = 1,
+    idle_expert: str = "sharded",
 ) -> tuple[str, float, int]:
     """``parallel.fsdp: auto``: (mode, bytes per GPU expected, token cap per rank).
 
@@ -174,6 +228,8 @@ def choose_fsdp_mode(
             grad_accum_bytes=grad_accum_bytes,
             shard_optimizer=shard_optimizer,
             ema=ema,
+            experts=experts,
+            idle_expert=idle_expert,
         )
         cap = mode_token_cap(mem, memory_bytes, memory_fraction)
         tried.append(f"{mode}: {mem.states / 1e9:.1f} GB of states, cap {cap:,} tokens")

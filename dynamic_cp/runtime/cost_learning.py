@@ -114,12 +114,18 @@ class CostLearner:
         with self._lock:
             return next((eff, v) for eff, v in reversed(versions) if eff <= step)
 
-    def plan(self, lengths: list[int]) -> Plan:
-        """Plan of the next step (calls come in step order, from one thread at a time)."""
+    def plan(self, lengths: list[int], experts: list[str] | None = None) -> Plan:
+        """Plan of the next step (calls come in step order, from one thread at a time); with
+        ``experts`` (model.expert=both, each clip's) no micro-batch mixes two experts."""
         step = self._next_plan_step
         self._next_plan_step += 1
         model_step, speed, model = self._planning_model(step)
-        plan = self.make_plan(model, lengths)
+        if experts is None:
+            plan = self.make_plan(model, lengths)
+        else:
+            from dynamic_cp.planning.experts import plan_per_expert
+
+            plan = plan_per_expert(lambda sub: self.make_plan(model, sub), lengths, experts)
         plan.info["layouts"] = [
             model.layout([lengths[i] for i in ids], len(r)) for r, ids in plan.micro_batches
         ]

@@ -97,11 +97,11 @@ class DistributedTrainer(Trainer):
         self.is_main = self.rank == 0
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+        for opt in self._zero_parts():
             # Loading a checkpoint leaves a second, never-read copy of this rank's moments in the
             # wrapper's own state (the live one is in its inner AdamW); state_dict() rebuilds the
             # full state from the per-rank gathers, so the copy only costs memory.
-            self.optimizer.state.clear()
+            opt.state.clear()
         # The planner's cost model starts from parallel.hardware and learns from the run
         # (dynamic_cp/runtime/cost_learning.py); plans carry the layouts they were priced with.
         resume_dir = resolve_checkpoint(resume) if resume is not None else None
@@ -133,26 +133,31 @@ class DistributedTrainer(Trainer):
         if self.is_main:
             super().log(record)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
+    def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if not self.cfg.parallel.shard_optimizer or self.world_size == 1:
-            return super()._build_optimizer()
+            return super()._optimizer_over(params)
         # Per-parameter broadcasts, not bucket views: views into one buffer share storage, which
         # safetensors refuses to save.
         return ZeroRedundancyOptimizer(
-            self.trainable_parameters(),
+            params,
             optimizer_class=optimizer_class(self.cfg.train),
             process_group=self.world,
             parameters_as_bucket_view=False,
             **optimizer_kwargs(self.cfg.train),
         )
 
+    def _zero_parts(self) -> list[ZeroRedundancyOptimizer]:
+        """The ZeRO-1 optimizers (one, or one per expert under model.expert=both)."""
+        parts = self.optimizer.parts.values() if self.both else [self.optimizer]
+        return [opt for opt in parts if isinstance(opt, ZeroRedundancyOptimizer)]
+
     def checkpoint_extras(self) -> dict[str, str]:
         return {STATE_FILE: json.dumps(self.learner.state_dict())}
 
     def save(self):
-        sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
-        if sharded:
-            self.optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its moments
+        sharded = self._zero_parts()
+        for opt in sharded:
+            opt.consolidate_state_dict(to=0)  # collective: every rank sends its moments
         try:
             # Replicas are identical (and the moments gathered), so rank 0's state is everyone's.
             if not self.is_main:
@@ -161,10 +166,10 @@ class DistributedTrainer(Trainer):
             self.learner.save(self.out, self.step)
             return step_dir
         finally:
-            if sharded:
+            for opt in sharded:
                 # torch keeps the gathered moments of every rank on rank 0 until the next gather
                 # (_all_state_dicts, private): 8 bytes x all parameters of host memory, dropped here.
-                self.optimizer._all_state_dicts = []
+                opt._all_state_dicts = []
 
     # ----------------------------------------------------------------------------- data
 
@@ -183,7 +188,15 @@ class DistributedTrainer(Trainer):
             device=self.device,
             plan_ahead=c.parallel.plan_ahead,
             num_workers=c.data.num_workers,
+            experts_fn=self._clip_experts if self.both else None,
         )
+
+    def _clip_experts(self, step: int, indices: list[int], lengths: list[int]) -> list[str]:
+        """model.expert=both: each clip's expert at ``step`` (what ``prepare`` will draw its sigma for)."""
+        from dit.clips import clip_expert
+
+        c, boundary = self.cfg, self.expert[1]
+        return [clip_expert(c.flow, c.train.seed, step, i, n, boundary) for i, n in zip(indices, lengths)]
 
     # ----------------------------------------------------------------------------- one step
 

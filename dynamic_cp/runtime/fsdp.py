@@ -88,11 +88,21 @@ def auto_fsdp_choice(cfg, world_size: int, memory_bytes: float, dims=None) -> tu
     dims = model_dims_of(cfg) if dims is None else dims
     cap = cap_tokens_of(cfg)
     ckpt, ema = cfg.model.gradient_checkpointing, cfg.train.ema_decay > 0
+    two = {"experts": 2 if cfg.model.expert == "both" else 1, "idle_expert": cfg.model.idle_expert}
     if cfg.model.lora is not None:
-        mem = memory_breakdown(dims, "lora", world_size, cap, ckpt, ema=ema, lora_rank=cfg.model.lora.rank)
+        mem = memory_breakdown(
+            dims, "lora", world_size, cap, ckpt, ema=ema, lora_rank=cfg.model.lora.rank, **two
+        )
         return "none", mem.total, cap
     return choose_fsdp_mode(
-        dims, world_size, cap, memory_bytes, ckpt, shard_optimizer=cfg.parallel.shard_optimizer, ema=ema
+        dims,
+        world_size,
+        cap,
+        memory_bytes,
+        ckpt,
+        shard_optimizer=cfg.parallel.shard_optimizer,
+        ema=ema,
+        **two,
     )
 
 
@@ -246,10 +256,15 @@ class ShardedEMA:
         self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        ema = [t.to_local() for t in self.params.values()]
-        current = [p.detach().to_local() for p in model.parameters()]
-        torch._foreach_lerp_(ema, current, 1.0 - self.decay)
+    def update(self, model: torch.nn.Module, only: tuple[str, ...] | None = None) -> None:
+        """``only``: name prefixes to update (model.expert=both: the experts that stepped)."""
+        pairs = [
+            (t.to_local(), p.detach().to_local())
+            for (n, t), p in zip(self.params.items(), model.parameters())
+            if only is None or n.startswith(only)
+        ]
+        if pairs:
+            torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - self.decay)
 
     def full_state_dict(self, is_main: bool) -> dict[str, torch.Tensor]:
         """Collective: every rank gathers each tensor; rank 0 keeps CPU copies, the others nothing."""

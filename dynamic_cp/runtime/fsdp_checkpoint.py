@@ -73,14 +73,30 @@ def save_fsdp_checkpoint(
     ema_full = ema.full_state_dict(is_main) if ema is not None else None
     final = None
     if is_main:
-        export_pretrained(model.config, full, tmp / "model")
+        _export(model, full, tmp / "model")
         if ema_full is not None:
-            export_pretrained(model.config, ema_full, tmp / "ema")
+            _export(model, ema_full, tmp / "ema")
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         final = commit_checkpoint(root, step, keep)
     dist.barrier(group=world)  # nobody reads or rewrites checkpoints before rank 0 committed
     return final
+
+
+def _export(model, full: dict[str, torch.Tensor], directory: Path) -> None:
+    """save_pretrained of ``full``: one VideoDiT, or (model.expert=both) each expert into its folder."""
+    from dit.experts import ExpertPair
+
+    if not isinstance(model, ExpertPair):
+        export_pretrained(model.config, full, directory)
+        return
+    from dit.wan_import import EXPERT_FOLDERS
+
+    for name, folder in EXPERT_FOLDERS.items():
+        prefix = f"{name}."
+        part = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
+        export_pretrained(getattr(model, name).config, part, directory / folder)
+    model.write_index(directory)
 
 
 def load_fsdp_checkpoint(step_dir: Path, model, optimizer, ema: ShardedEMA | None) -> dict:
@@ -98,6 +114,14 @@ def load_fsdp_checkpoint(step_dir: Path, model, optimizer, ema: ShardedEMA | Non
         return state
     # A replicated checkpoint: full weights and a plain AdamW state dict, read by every rank.
     from dit.checkpoint import load_weights
+    from dit.experts import ExpertPair
+
+    if isinstance(model, ExpertPair):
+        raise ValueError(
+            f"{step_dir} is a replicated (parallel.fsdp=none) checkpoint and model.expert=both under FSDP "
+            "resumes sharded ones only; resume it with parallel.fsdp=none, or start from its weights with "
+            f"model.pretrained={step_dir / 'model'}"
+        )
 
     full = _read_pretrained(model.config, step_dir / "model", load_weights)
     options = StateDictOptions(full_state_dict=True)

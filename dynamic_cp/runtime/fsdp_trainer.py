@@ -54,17 +54,26 @@ class FSDPTrainer(DistributedTrainer):
     # ----------------------------------------------------------------------------- construction
 
     def _shard_model(self) -> None:
-        apply_fsdp(self.model, self.world, self.device, self.cfg.train.mixed_precision)
+        # model.expert=both: each expert is sharded on its own (its own FSDP roots and units), so one
+        # expert's collectives run without the other's, and an idle expert issues none
+        for dit in self._dits():
+            apply_fsdp(dit, self.world, self.device, self.cfg.train.mixed_precision)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
+    def _dits(self, names=None) -> list[torch.nn.Module]:
+        """The sharded VideoDiTs: the model, or under model.expert=both the experts (of ``names``)."""
+        if not self.both:
+            return [self.model]
+        return [getattr(self.model, n) for n in (names if names is not None else ("high", "low"))]
+
+    def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         # The parameters are this rank's shards: AdamW's moments are sharded with them (no ZeRO-1).
-        return build_optimizer(self.cfg.train, self.trainable_parameters())
+        return build_optimizer(self.cfg.train, params)
 
     def _build_ema(self) -> ShardedEMA:
         return ShardedEMA(self.model, self.cfg.train.ema_decay)
 
-    def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        return grad_norm_and_clip(self.trainable_parameters(), max_norm)
+    def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return grad_norm_and_clip(params, max_norm)
 
     # ----------------------------------------------------------------------------- one step
 
@@ -73,13 +82,22 @@ class FSDPTrainer(DistributedTrainer):
             return self._run_per_step(batch, timeline, t0)
         return self._run_per_layer(batch, timeline, t0)
 
-    def _empty_micro_batch(self) -> None:
+    def _empty_micro_batch(self, dit: torch.nn.Module | None = None) -> None:
         with self.autocast():
-            loss = empty_micro_batch_loss(self.model, self.device)
+            loss = empty_micro_batch_loss(self.model if dit is None else dit, self.device)
         loss.backward()
+
+    def _experts_run(self, plan) -> list[str] | None:
+        """model.expert=both: the experts some micro-batch of the (global) plan runs, high first;
+        the same list on every rank. None for one model."""
+        if not self.both:
+            return None
+        return [n for n in ("high", "low") if n in plan.info["experts"]]
 
     def _run_per_step(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
         # 1. gather every unit once, 2. the plan with no world collective, 3. one synced empty pass
+        if self.both:
+            return self._run_per_step_experts(batch, timeline, t0)
         configure(self.model, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
         gather_weights(self.model)
         local_loss = super()._run_plan(batch, timeline, t0)  # the replicated runtime's plan loop
@@ -87,25 +105,63 @@ class FSDPTrainer(DistributedTrainer):
         self._empty_micro_batch()  # reduce-scatters every unit's accumulated gradient, frees weights
         return local_loss
 
+    def _run_per_step_experts(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
+        """model.expert=both: steps 1-3 once per expert the plan runs, high first, on every rank, so
+        only one expert is gathered (and accumulates an unsharded gradient) at a time. Every rank
+        issues AG(high), its high micro-batches (CP collectives only), RS(high), then the same for low:
+        the world collectives keep one order on every rank, and each CP collective of an expert lies
+        between that expert's AG and RS on all members of its group (the single-model argument,
+        ``dynamic_cp/runtime/fsdp.py``, per expert). An expert no micro-batch runs is neither
+        gathered nor reduced: its gradients stay None and it takes no step."""
+        experts = batch.plan.info["experts"]
+        mine = list(zip(batch.plan_indices, batch.micro_batches))
+        local_loss = 0.0
+        for name in self._experts_run(batch.plan):
+            dit = getattr(self.model, name)
+            configure(dit, keep_gathered=True, free_after_backward=False, sync=False, last_backward=False)
+            gather_weights(dit)
+            for m, (ranks, clips) in mine:
+                if experts[m] == name:
+                    local_loss += self._timed_micro_batch(batch, timeline, t0, m, ranks, clips)
+            configure(dit, keep_gathered=True, free_after_backward=True, sync=True, last_backward=True)
+            self._empty_micro_batch(dit)
+        return local_loss
+
     def _run_per_layer(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
-        plan = (
-            batch.plan
-            if getattr(batch.plan, "rounds", None)
-            else lockstep_rounds(batch.plan, self.world_size)
-        )
-        schedule = rank_round_schedule(plan, self.rank) or [None]  # a step without clips: one empty round
+        if not self.both:
+            return self._rounds_of(batch, timeline, t0, self.model, batch.plan)
+        # model.expert=both: the rounds of each expert the plan runs, high first: every rank runs an
+        # expert's rounds (empty micro-batches of that expert where it has none) before the other's
+        local_loss = 0.0
+        for name in self._experts_run(batch.plan):
+            local_loss += self._rounds_of(batch, timeline, t0, getattr(self.model, name), batch.plan, name)
+        return local_loss
+
+    def _rounds_of(self, batch, timeline, t0, dit, plan, expert: str | None = None) -> float:
+        """Lockstep rounds of ``plan``'s micro-batches (of ``expert`` alone when given) on ``dit``."""
+        if expert is not None:
+            from dynamic_cp.planning.plan_types import Plan
+
+            ids = [m for m, e in enumerate(plan.info["experts"]) if e == expert]
+            sub = Plan([plan.micro_batches[m] for m in ids], plan.world_size, plan.cap_tokens)
+            rounds = lockstep_rounds(sub, self.world_size)
+            schedule = [None if m is None else ids[m] for m in rank_round_schedule(rounds, self.rank)]
+        else:
+            rounds = plan if getattr(plan, "rounds", None) else lockstep_rounds(plan, self.world_size)
+            schedule = rank_round_schedule(rounds, self.rank)
+        schedule = schedule or [None]  # a step without clips: one empty round
         mine = dict(zip(batch.plan_indices, batch.micro_batches))
         local_loss = 0.0
         for k, m in enumerate(schedule):
             configure(
-                self.model,
+                dit,
                 keep_gathered=False,
                 free_after_backward=True,
                 sync=True,
                 last_backward=k == len(schedule) - 1,
             )
             if m is None:
-                self._empty_micro_batch()
+                self._empty_micro_batch(dit)
                 continue
             local_loss += self._timed_micro_batch(batch, timeline, t0, m, *mine[m])
         return local_loss
@@ -119,11 +175,13 @@ class FSDPTrainer(DistributedTrainer):
     @torch.no_grad()
     def validation_loss(self) -> float:
         # Every forward gathers weights from every rank: all ranks evaluate the same clips.
-        configure(self.model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
+        for dit in self._dits():
+            configure(dit, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
         try:
             return Trainer.validation_loss(self)
         finally:
-            release_weights(self.model)
+            for dit in self._dits():
+                release_weights(dit)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -133,7 +191,7 @@ class FSDPTrainer(DistributedTrainer):
             self.out / "checkpoints",
             self.step,
             self.model,
-            self.optimizer,
+            self._optimizers(),
             self.ema,
             state,
             to_dict(self.cfg),
@@ -141,9 +199,13 @@ class FSDPTrainer(DistributedTrainer):
             self.world,
         )
 
+    def _optimizers(self):
+        """The optimizer, or the experts' (DCP's state-dict functions take a list)."""
+        return list(self.optimizer.parts.values()) if self.both else self.optimizer
+
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
-        state = load_fsdp_checkpoint(step_dir, self.model, self.optimizer, self.ema)
+        state = load_fsdp_checkpoint(step_dir, self.model, self._optimizers(), self.ema)
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]

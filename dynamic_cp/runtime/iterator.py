@@ -76,6 +76,8 @@ class DynamicCPBatches:
     token_fn(dataset_index) -> tokens of that clip from metadata only.
     prepare_fn(sample, step) -> TrainClip on the compute device (encode, noise, sigma).
     plan_fn(lengths) -> Plan; must be deterministic (same plan on every rank).
+    experts_fn(step, dataset indices, lengths) -> each clip's expert (model.expert=both); the plan
+    function then gets them too: plan_fn(lengths, experts).
     """
 
     def __init__(
@@ -93,11 +95,13 @@ class DynamicCPBatches:
         device: torch.device,
         plan_ahead: bool = True,
         num_workers: int = 0,
+        experts_fn: Callable[[int, list[int], list[int]], list[str]] | None = None,
     ):
         self.world = world
         self.rank, self.world_size = dist.get_rank(world), dist.get_world_size(world)
         self.sampler = GlobalBatchSampler(indices, global_batch_size, data_seed, start_step)
         self.token_fn, self.prepare_fn, self.plan_fn = token_fn, prepare_fn, plan_fn
+        self.experts_fn = experts_fn
         self.device = device
         self.step = start_step
         self._executor = ThreadPoolExecutor(max_workers=1) if plan_ahead else None
@@ -126,11 +130,14 @@ class DynamicCPBatches:
                 lengths[p] = n
         return lengths
 
-    def _plan_future(self, lengths: list[int]) -> Future:
+    def _plan_future(self, lengths: list[int], step: int) -> Future:
+        args = [lengths]
+        if self.experts_fn is not None:  # model.expert=both: each clip's expert, from metadata alone
+            args.append(self.experts_fn(step, self.sampler.batch(step), lengths))
         if self._executor is not None:
-            return self._executor.submit(self.plan_fn, lengths)
+            return self._executor.submit(self.plan_fn, *args)
         done: Future = Future()
-        done.set_result(self.plan_fn(lengths))
+        done.set_result(self.plan_fn(*args))
         return done
 
     # ------------------------------------------------------------------------------ one step
@@ -143,11 +150,11 @@ class DynamicCPBatches:
         t0 = time.perf_counter()
         if self._pending is None:
             lengths = self._gather_lengths(step)
-            self._pending = (lengths, self._plan_future(lengths))
+            self._pending = (lengths, self._plan_future(lengths, step))
         lengths, future = self._pending
         if self._executor is not None:  # look one step ahead while this one computes
             upcoming = self._gather_lengths(step + 1)
-            self._pending = (upcoming, self._plan_future(upcoming))
+            self._pending = (upcoming, self._plan_future(upcoming, step + 1))
         else:
             self._pending = None
         t1 = time.perf_counter()
