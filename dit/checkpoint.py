@@ -20,6 +20,7 @@ import pickle
 import random
 import re
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def begin_checkpoint(root: Path, step: int) -> Path:
 def write_checkpoint_files(tmp: Path, step: int, model, ema_model, trainer_state: dict, config: dict) -> None:
     """The consolidated weights (save_pretrained), the trainer state and the config, into ``tmp``."""
     model.save_pretrained(tmp / "model")
+    kill_point_for_tests(step)
     if ema_model is not None:
         ema_model.save_pretrained(tmp / "ema")
     # a state staged for a background write brings the RNG states of its step; else they are now's
@@ -123,6 +125,24 @@ def save_trainer_state(path: Path, state: dict) -> None:
     where torch's own writer (given a path) says only "file write failed"."""
     with open(path, "wb") as f:
         torch.save(state, f)
+
+
+# ----------------------------------------------------------------------------- test-only fault hook
+
+KILL_IN_SAVE = "DYNAMIC_CP_TEST_KILL_IN_SAVE"
+
+
+def kill_point_for_tests(step: int) -> None:
+    """TEST-ONLY fault hook, off by default (and for every real run): with the environment variable
+    ``DYNAMIC_CP_TEST_KILL_IN_SAVE=<step>``, the process SIGKILLs itself partway through writing
+    checkpoint ``<step>`` (its first files written, the folder still ``.tmp``), in the first attempt
+    of a torchrun job only (TORCHELASTIC_RESTART_COUNT unset or 0), so that the restarted attempt
+    runs through. Called from the sync, the background and the FSDP save paths;
+    tests/test_faults_torchrun.py kills a rank during a save with it."""
+    wanted = os.environ.get(KILL_IN_SAVE)
+    if wanted is None or int(wanted) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- full disk

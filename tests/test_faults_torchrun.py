@@ -30,6 +30,7 @@ import torch
 from conftest import tiny_overrides
 from safetensors.torch import load_file
 
+from dit.checkpoint import KILL_IN_SAVE
 from dynamic_cp.runtime.testing import torchrun_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +113,7 @@ def _assert_ends_equal(run: Path, whole: Path, out: str) -> None:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(uninterrupted, tmp_path, mode):
     """Planted under FSDP: load_fsdp_checkpoint not restoring the optimizer's sharded moments
-    (set_optimizer_state_dict dropped) -> the step-3 loss and the final weights differ."""
+    (set_optimizer_state_dict dropped) -> the step-4 loss and the later ones differ (caught)."""
     killed = _torchrun(tmp_path, mode, [], max_restarts=1)
     first = tmp_path / "run" / "checkpoints" / "step_000002"
     deadline = time.time() + 600
@@ -122,6 +123,34 @@ def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(uninterrupted, tm
     os.kill(victim, signal.SIGKILL)
     out, _ = killed.communicate(timeout=900)
     assert killed.returncode == 0, out[-3000:]
+    _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
+
+
+# (mode, train.async_checkpoint): the sync save, the background writer of replicated runs
+KILLED_SAVES = [
+    ("replicated", "false"),
+    ("replicated", "true"),
+    ("fsdp_per_layer", "false"),
+]
+
+
+@pytest.mark.parametrize("mode,async_checkpoint", KILLED_SAVES)
+def test_rank_killed_during_a_save_resumes_the_previous_checkpoint(
+    uninterrupted, tmp_path, mode, async_checkpoint
+):
+    """The saving rank (rank 0) SIGKILLs itself partway through checkpoint 4 (``KILL_IN_SAVE``, the
+    test-only hook: its model/ or sharded/ written, the folder still .tmp). torchrun restarts; the
+    restarted job must skip step_000004.tmp, resume step 2 and end equal to the uninterrupted run.
+    Planted: newest_whole_checkpoint returning the newest folder unchecked -> the restart tries
+    step_000004.tmp and the job fails."""
+    env = {KILL_IN_SAVE: "4"}
+    killed = _torchrun(
+        tmp_path, mode, [f"train.async_checkpoint={async_checkpoint}"], max_restarts=1, env=env
+    )
+    out, _ = killed.communicate(timeout=900)
+    assert killed.returncode == 0, out[-3000:]
+    assert "step_000004.tmp: left by a save that did not finish" in out, out[-3000:]
+    assert "step_000002 at step 2" in out, out[-3000:]
     _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
 
 

@@ -34,6 +34,7 @@ from dit.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
     export_pretrained,
+    kill_point_for_tests,
     load_trainer_state,
     rng_state,
 )
@@ -69,6 +70,8 @@ def save_fsdp_checkpoint(
         begin_checkpoint(root, step)
     dist.barrier(group=world)  # the fresh tmp directory exists before anyone writes into it
     dcp.save(_sharded_state(model, optimizer, ema), checkpoint_id=tmp / SHARDED, process_group=world)
+    if is_main:
+        kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     ema_full = ema.full_state_dict(is_main) if ema is not None else None
     final = None
