@@ -152,17 +152,37 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "StorageFull", "QuotaExceeded")
 
 
+def _wrapped(err: BaseException) -> list[BaseException]:
+    """``err``, the exceptions it was raised from, and those DCP's CheckpointException gathered from
+    every rank (its ``failures``: {rank: (exception, traceback)})."""
+    found, todo, seen = [], [err], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found.append(e)
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in (getattr(e, "failures", None) or {}).values() if isinstance(pair, tuple)]
+    return found
+
+
 def is_disk_full(err: BaseException) -> bool:
     """Did ``err`` (or an exception it wraps) come from a full disk or an exhausted quota?"""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in DISK_FULL:
+    for e in _wrapped(err):
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
             return True
-        if any(text in str(err) for text in DISK_FULL_TEXT):
+        if any(text in str(e) for text in DISK_FULL_TEXT):
             return True
-        err = err.__cause__ or err.__context__
     return False
+
+
+def _failed_path(err: BaseException) -> str | None:
+    """The file a disk-full error names, wherever it is wrapped."""
+    for e in _wrapped(err):
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename)
+    return None
 
 
 def nbytes(obj) -> int:
@@ -194,23 +214,28 @@ def stop_on_full_disk(tmp: Path, needed_bytes: Callable[[], int]):
     removed; the previous checkpoint is untouched and is the one ``--resume auto`` takes."""
     try:
         yield
-    except Exception as err:
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
         if not is_disk_full(err):
             raise
-        shutil.rmtree(tmp, ignore_errors=True)  # frees what the half-written checkpoint took
-        free = shutil.disk_usage(tmp.parent).free
-        where = getattr(err, "filename", None) or tmp
-        previous = newest_whole_checkpoint(tmp.parent, report=lambda line: None)
-        then = (
-            f"rerun with --resume auto: it takes {previous.name}, which is whole"
-            if previous
-            else "rerun (there is no earlier checkpoint)"
-        )
-        raise RunStopped(
-            f"disk full while saving checkpoint {tmp.name.removesuffix('.tmp')} ({where}): it needs about "
-            f"{needed_bytes():,} bytes and {free:,} are free. Free space or move output_dir to a larger "
-            f"disk, then {then}"
-        ) from None
+        raise disk_full_stop(tmp, needed_bytes(), err) from None
+
+
+def disk_full_stop(tmp: Path, needed: int, err: BaseException) -> RunStopped:
+    """The one-line stop for a save into ``tmp`` that failed on a full disk; removes ``tmp``."""
+    shutil.rmtree(tmp, ignore_errors=True)  # frees what the half-written checkpoint took
+    free = shutil.disk_usage(tmp.parent).free
+    where = _failed_path(err) or tmp
+    previous = newest_whole_checkpoint(tmp.parent, report=lambda line: None)
+    then = (
+        f"rerun with --resume auto: it takes {previous.name}, which is whole"
+        if previous
+        else "rerun (there is no earlier checkpoint)"
+    )
+    return RunStopped(
+        f"disk full while saving checkpoint {tmp.name.removesuffix('.tmp')} ({where}): it needs about "
+        f"{needed:,} bytes and {free:,} are free. Free space or move output_dir to a larger "
+        f"disk, then {then}"
+    )
 
 
 def commit_checkpoint(root: Path, step: int, keep: int) -> Path:

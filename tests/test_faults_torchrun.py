@@ -126,11 +126,12 @@ def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(uninterrupted, tm
     _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
 
 
-# (mode, train.async_checkpoint): the sync save, the background writer of replicated runs
+# (mode, train.async_checkpoint): the sync save, the background writer of replicated runs, DCP async_save
 KILLED_SAVES = [
     ("replicated", "false"),
     ("replicated", "true"),
     ("fsdp_per_layer", "false"),
+    ("fsdp_per_layer", "true"),
 ]
 
 
