@@ -158,3 +158,27 @@ def test_async_fsdp_checkpoints_equal_sync_ones(reference, tmp_path):
         # torch's generator (noise, timesteps) is seeded by the run; python's and numpy's are not (a
         # forked worker inherits pytest's), and training draws nothing from them
         assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]), f"step {step} rng"
+
+
+@pytest.mark.parametrize("async_checkpoint", ["false", "true"])
+def test_disk_full_during_a_dcp_save_stops_and_resume_auto_continues(reference, tmp_path, async_checkpoint):
+    """Rank 1's writer fails with ENOSPC partway through checkpoint 3's shards. Every rank stops with
+    one line naming the shard file and the bytes needed (async: at the next step, or at the end at
+    the latest); step 2 stays whole and ``--resume auto`` resumes it and ends on the reference's
+    losses. Planted: save_fsdp_checkpoint's stop_on_full_disk removed -> DCP's CheckpointException
+    escapes instead of the one line, and step_000003.tmp stays."""
+    extra = {"train.async_checkpoint": async_checkpoint}
+    results = _train(tmp_path, extra, fault="enospc")
+    for rank, res in enumerate(results):
+        assert "stopped" in res, f"rank {rank}: {res}"
+        line = res["stopped"]
+        assert "\n" not in line, line
+        assert "disk full while saving checkpoint step_000003" in line, line
+        assert "step_000003.tmp/sharded/__1_" in line and ".distcp" in line, line
+        assert "needs about " in line and "it takes step_000002" in line, line
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001", "step_000002"]
+
+    assert _train(tmp_path, extra, resume=True) == [{"ok": True}] * 2  # space freed
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1, 2, 3, 4]
+    assert _losses(tmp_path / "run") == _losses(reference)
