@@ -10,6 +10,8 @@ Atomic as the replicated checkpoints (``dit/checkpoint.py``): everything goes in
 rank 0 renames it and points ``latest`` at it only after DCP's save returned on rank 0 (its metadata
 is written after every rank's shards) and the export is on disk. DCP stores each tensor's global
 shape and each shard's offsets, so a run resumes on any world size: loading reshards.
+``train.async_checkpoint`` writes the same layout from background threads (``AsyncFSDPCheckpointer``:
+DCP's ``async_save``), committed the same way.
 
 Resuming an FSDP run from a replicated (``fsdp=none``) checkpoint loads its consolidated weights and
 its plain AdamW state dict (parameter order = ``model.parameters()``), each rank keeping its shards.
