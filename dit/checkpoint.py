@@ -20,6 +20,7 @@ import pickle
 import random
 import re
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def begin_checkpoint(root: Path, step: int) -> Path:
 def write_checkpoint_files(tmp: Path, step: int, model, ema_model, trainer_state: dict, config: dict) -> None:
     """The consolidated weights (save_pretrained), the trainer state and the config, into ``tmp``."""
     model.save_pretrained(tmp / "model")
+    kill_point_for_tests(step)
     if ema_model is not None:
         ema_model.save_pretrained(tmp / "ema")
     # a state staged for a background write brings the RNG states of its step; else they are now's
@@ -125,6 +127,24 @@ def save_trainer_state(path: Path, state: dict) -> None:
         torch.save(state, f)
 
 
+# ----------------------------------------------------------------------------- test-only fault hook
+
+KILL_IN_SAVE = "DYNAMIC_CP_TEST_KILL_IN_SAVE"
+
+
+def kill_point_for_tests(step: int) -> None:
+    """TEST-ONLY fault hook, off by default (and for every real run): with the environment variable
+    ``DYNAMIC_CP_TEST_KILL_IN_SAVE=<step>``, the process SIGKILLs itself partway through writing
+    checkpoint ``<step>`` (its first files written, the folder still ``.tmp``), in the first attempt
+    of a torchrun job only (TORCHELASTIC_RESTART_COUNT unset or 0), so that the restarted attempt
+    runs through. Called from the sync, the background and the FSDP save paths;
+    tests/test_faults_torchrun.py kills a rank during a save with it."""
+    wanted = os.environ.get(KILL_IN_SAVE)
+    if wanted is None or int(wanted) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------- full disk
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -132,17 +152,37 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "StorageFull", "QuotaExceeded")
 
 
+def _wrapped(err: BaseException) -> list[BaseException]:
+    """``err``, the exceptions it was raised from, and those DCP's CheckpointException gathered from
+    every rank (its ``failures``: {rank: (exception, traceback)})."""
+    found, todo, seen = [], [err], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found.append(e)
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in (getattr(e, "failures", None) or {}).values() if isinstance(pair, tuple)]
+    return found
+
+
 def is_disk_full(err: BaseException) -> bool:
     """Did ``err`` (or an exception it wraps) come from a full disk or an exhausted quota?"""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in DISK_FULL:
+    for e in _wrapped(err):
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
             return True
-        if any(text in str(err) for text in DISK_FULL_TEXT):
+        if any(text in str(e) for text in DISK_FULL_TEXT):
             return True
-        err = err.__cause__ or err.__context__
     return False
+
+
+def _failed_path(err: BaseException) -> str | None:
+    """The file a disk-full error names, wherever it is wrapped."""
+    for e in _wrapped(err):
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename)
+    return None
 
 
 def nbytes(obj) -> int:
@@ -174,23 +214,28 @@ def stop_on_full_disk(tmp: Path, needed_bytes: Callable[[], int]):
     removed; the previous checkpoint is untouched and is the one ``--resume auto`` takes."""
     try:
         yield
-    except Exception as err:
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
         if not is_disk_full(err):
             raise
-        shutil.rmtree(tmp, ignore_errors=True)  # frees what the half-written checkpoint took
-        free = shutil.disk_usage(tmp.parent).free
-        where = getattr(err, "filename", None) or tmp
-        previous = newest_whole_checkpoint(tmp.parent, report=lambda line: None)
-        then = (
-            f"rerun with --resume auto: it takes {previous.name}, which is whole"
-            if previous
-            else "rerun (there is no earlier checkpoint)"
-        )
-        raise RunStopped(
-            f"disk full while saving checkpoint {tmp.name.removesuffix('.tmp')} ({where}): it needs about "
-            f"{needed_bytes():,} bytes and {free:,} are free. Free space or move output_dir to a larger "
-            f"disk, then {then}"
-        ) from None
+        raise disk_full_stop(tmp, needed_bytes(), err) from None
+
+
+def disk_full_stop(tmp: Path, needed: int, err: BaseException) -> RunStopped:
+    """The one-line stop for a save into ``tmp`` that failed on a full disk; removes ``tmp``."""
+    shutil.rmtree(tmp, ignore_errors=True)  # frees what the half-written checkpoint took
+    free = shutil.disk_usage(tmp.parent).free
+    where = _failed_path(err) or tmp
+    previous = newest_whole_checkpoint(tmp.parent, report=lambda line: None)
+    then = (
+        f"rerun with --resume auto: it takes {previous.name}, which is whole"
+        if previous
+        else "rerun (there is no earlier checkpoint)"
+    )
+    return RunStopped(
+        f"disk full while saving checkpoint {tmp.name.removesuffix('.tmp')} ({where}): it needs about "
+        f"{needed:,} bytes and {free:,} are free. Free space or move output_dir to a larger "
+        f"disk, then {then}"
+    )
 
 
 def commit_checkpoint(root: Path, step: int, keep: int) -> Path:

@@ -180,8 +180,9 @@ class TrainConfig:
     # null: a new run. train.py's --resume overrides it
     resume: str | None = None
     # write checkpoints in a background thread from a copy staged in CPU memory (replicated weights:
-    # parallel.fsdp=none or one process); training blocks only for the copy. Costs host memory of
-    # one checkpoint; a failed background save stops the run at the next step
+    # dit/async_checkpoint.py; FSDP: DCP's async_save, dynamic_cp/runtime/fsdp_checkpoint.py); training
+    # blocks only for the copy. Costs host memory of one checkpoint; a failed background save stops
+    # the run at the next step
     async_checkpoint: bool = False
     max_bad_steps: int = 20  # non-finite losses in a row before the run stops
     peak_tflops: float | None = None  # accelerator peak for the MFU figure (989 for H100 bf16); None = no MFU

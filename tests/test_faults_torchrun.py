@@ -1,13 +1,14 @@
 """Faults of a multi-process run, with real processes: a rank killed under torchrun, a rank hung.
 
-- Kill: ``torchrun --max-restarts=1 train.py ... --resume auto`` on 2 gloo ranks (2, not 4: the
-  CI machine has 2 cores and each rank imports torch and diffusers). Right after the first
-  checkpoint, rank 1 is SIGKILLed (in the middle of a step: steps take about a second here and the
-  kill follows the checkpoint within milliseconds). torchrun restarts both workers with the same
-  arguments; they resume the newest whole checkpoint and the job ends at max_steps with weights
-  bitwise equal to an uninterrupted torchrun run (replicated weights, same plan, same reduction
-  order, same OMP_NUM_THREADS=1), the same loss at every step (the same clips: the data position
-  is the step), and each step once in metrics.jsonl.
+- Kill: ``torchrun --max-restarts=1 train.py ... --resume auto`` on 2 gloo ranks, with replicated
+  weights and with FSDP per_layer (2 ranks, not the issue's 4: the CI machine has 2 cores and each
+  rank imports torch and diffusers). Right after the first checkpoint, rank 1 is SIGKILLed (in the
+  middle of a step: steps take about a second here and the kill follows the checkpoint within
+  milliseconds). torchrun restarts both workers with the same arguments; they resume the newest
+  whole checkpoint and the job ends at max_steps with weights bitwise equal to an uninterrupted
+  torchrun run (same plan, same reduction order, same OMP_NUM_THREADS=1; under FSDP the same
+  shards, restored by DCP), the same loss at every step (the same clips: the data position is the
+  step), and each step once in metrics.jsonl. One uninterrupted run per mode serves every test.
 - Hang: two ranks started as torchrun would (env://), ``parallel.timeout_s=5``; after step 2 rank 1
   is SIGSTOPped. Rank 0 must exit non-zero within timeout_s + 30 s with one line naming the
   collective and the step.
@@ -29,16 +30,18 @@ import torch
 from conftest import tiny_overrides
 from safetensors.torch import load_file
 
+from dit.checkpoint import KILL_IN_SAVE
 from dynamic_cp.runtime.testing import torchrun_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 PARALLEL = {
     "parallel.mode": "dynamic",
-    "parallel.fsdp": "none",
     "parallel.hardware": "h100",  # fixed prices and no refit: the same plans in every attempt
     "parallel.learn_costs": "false",
 }
+# replicated weights, or FSDP2 shards gathered one block at a time (DCP checkpoints)
+MODES = {"replicated": {"parallel.fsdp": "none"}, "fsdp_per_layer": {"parallel.fsdp": "per_layer"}}
 
 
 def _env() -> dict:
@@ -49,14 +52,21 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _torchrun(run_dir: Path, extra: list[str], max_restarts: int = 0) -> subprocess.Popen:
-    over = tiny_overrides(run_dir, **PARALLEL, **{"train.max_steps": 6, "train.checkpoint_every": 2})
+def _torchrun(run_dir: Path, mode: str, extra: list[str], max_restarts: int = 0, env: dict | None = None):
+    over = tiny_overrides(
+        run_dir, **PARALLEL, **MODES[mode], **{"train.max_steps": 6, "train.checkpoint_every": 2}
+    )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         f"--max-restarts={max_restarts}", "train.py", "--config", TINY, *over, *extra, "--resume", "auto",
     ]  # fmt: skip
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=ROOT,
+        env={**_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -64,31 +74,85 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / "step_000006" / "model" / "diffusion_pytorch_model.safetensors")
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
-def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(tmp_path):
-    whole = _torchrun(tmp_path / "whole", [])
-    out_whole, _ = whole.communicate(timeout=600)
-    assert whole.returncode == 0, out_whole[-3000:]
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """mode -> the output_dir of an uninterrupted torchrun run in that mode, run once per module."""
+    runs = {}
 
-    killed = _torchrun(tmp_path / "killed", [], max_restarts=1)
-    first = tmp_path / "killed" / "run" / "checkpoints" / "step_000002"
+    def run(mode: str) -> Path:
+        if mode not in runs:
+            tmp = tmp_path_factory.mktemp(f"whole_{mode}")
+            whole = _torchrun(tmp, mode, [])
+            out, _ = whole.communicate(timeout=900)
+            assert whole.returncode == 0, out[-3000:]
+            runs[mode] = tmp / "run"
+        return runs[mode]
+
+    return run
+
+
+def _assert_ends_equal(run: Path, whole: Path, out: str) -> None:
+    """The restarted job resumed (not started over), logged each step once, trained every step on the
+    uninterrupted run's clips (their tokens: the data position) to its loss, and ended on its weights.
+
+    Bitwise in both modes, which is stricter than the 1e-6 the issue allows under FSDP: the attempt
+    that resumes runs on the same 2 ranks with the same plans (fixed prices), so every rank holds
+    the same shards (DCP restores their bytes) and every sum runs in the same order as in the
+    uninterrupted run; nothing differs to round differently."""
+    assert "resumed from" in out, out[-3000:]
+    steps = [r["step"] for r in _rows(run)]
+    assert steps == sorted(set(steps)) and steps[-1] == 6 and set(steps) >= set(range(1, 7)), steps
+    want = {r["step"]: (r["loss"], r["tokens"]) for r in _rows(whole) if "loss" in r}
+    got = {r["step"]: (r["loss"], r["tokens"]) for r in _rows(run) if "loss" in r}
+    assert got == want  # every step's clips (their tokens) and loss, bitwise
+    a, b = _weights(whole), _weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(uninterrupted, tmp_path, mode):
+    """Planted under FSDP: load_fsdp_checkpoint not restoring the optimizer's sharded moments
+    (set_optimizer_state_dict dropped) -> the step-4 loss and the later ones differ (caught)."""
+    killed = _torchrun(tmp_path, mode, [], max_restarts=1)
+    first = tmp_path / "run" / "checkpoints" / "step_000002"
     deadline = time.time() + 600
     while not first.is_dir() and killed.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     victim = torchrun_workers(killed.pid)[1]
     os.kill(victim, signal.SIGKILL)
-    out, _ = killed.communicate(timeout=600)
+    out, _ = killed.communicate(timeout=900)
     assert killed.returncode == 0, out[-3000:]
-    assert "resumed from" in out, out[-3000:]  # the second attempt resumed; it did not start over
+    _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
 
-    whole_run, killed_run = tmp_path / "whole" / "run", tmp_path / "killed" / "run"
-    steps = [r["step"] for r in _rows(killed_run)]
-    assert steps == sorted(set(steps)) and steps[-1] == 6 and set(steps) >= set(range(1, 7)), steps
-    want = {r["step"]: (r["loss"], r["tokens"]) for r in _rows(whole_run) if "loss" in r}
-    got = {r["step"]: (r["loss"], r["tokens"]) for r in _rows(killed_run) if "loss" in r}
-    assert got == want  # every step's clips (their tokens) and loss, bitwise
-    a, b = _weights(whole_run), _weights(killed_run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+# (mode, train.async_checkpoint): the sync save, the background writer of replicated runs, DCP async_save
+KILLED_SAVES = [
+    ("replicated", "false"),
+    ("replicated", "true"),
+    ("fsdp_per_layer", "false"),
+    ("fsdp_per_layer", "true"),
+]
+
+
+@pytest.mark.parametrize("mode,async_checkpoint", KILLED_SAVES)
+def test_rank_killed_during_a_save_resumes_the_previous_checkpoint(
+    uninterrupted, tmp_path, mode, async_checkpoint
+):
+    """The saving rank (rank 0) SIGKILLs itself partway through checkpoint 4 (``KILL_IN_SAVE``, the
+    test-only hook: its model/ or sharded/ written, the folder still .tmp). torchrun restarts; the
+    restarted job must skip step_000004.tmp, resume step 2 and end equal to the uninterrupted run.
+    Planted: newest_whole_checkpoint returning the newest folder unchecked -> the restart tries
+    step_000004.tmp and the job fails."""
+    env = {KILL_IN_SAVE: "4"}
+    killed = _torchrun(
+        tmp_path, mode, [f"train.async_checkpoint={async_checkpoint}"], max_restarts=1, env=env
+    )
+    out, _ = killed.communicate(timeout=900)
+    assert killed.returncode == 0, out[-3000:]
+    assert "step_000004.tmp: left by a save that did not finish" in out, out[-3000:]
+    assert "step_000002 at step 2" in out, out[-3000:]
+    _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
 
 
 def _free_port() -> int:
@@ -101,7 +165,7 @@ def test_hung_rank_stops_the_other_within_the_timeout(tmp_path):
     timeout_s = 5
     port = _free_port()
     over = tiny_overrides(
-        tmp_path, **PARALLEL,
+        tmp_path, **PARALLEL, **MODES["replicated"],
         **{"train.max_steps": 1000, "train.val_every": 1000, "train.checkpoint_every": 1000,
            "parallel.timeout_s": timeout_s},
     )  # fmt: skip

@@ -10,6 +10,8 @@ Atomic as the replicated checkpoints (``dit/checkpoint.py``): everything goes in
 rank 0 renames it and points ``latest`` at it only after DCP's save returned on rank 0 (its metadata
 is written after every rank's shards) and the export is on disk. DCP stores each tensor's global
 shape and each shard's offsets, so a run resumes on any world size: loading reshards.
+``train.async_checkpoint`` writes the same layout from background threads (``AsyncFSDPCheckpointer``:
+DCP's ``async_save``), committed the same way.
 
 Resuming an FSDP run from a replicated (``fsdp=none``) checkpoint loads its consolidated weights and
 its plain AdamW state dict (parameter order = ``model.parameters()``), each rank keeping its shards.
@@ -17,6 +19,7 @@ its plain AdamW state dict (parameter order = ``model.parameters()``), each rank
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -30,12 +33,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from data.cli import RunStopped
 from dit.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
+    disk_full_stop,
     export_pretrained,
+    is_disk_full,
+    kill_point_for_tests,
     load_trainer_state,
+    nbytes,
     rng_state,
+    save_trainer_state,
+    stop_on_full_disk,
 )
 from dynamic_cp.runtime.fsdp import ShardedEMA
 
@@ -60,27 +70,172 @@ def save_fsdp_checkpoint(
     keep: int,
     world: dist.ProcessGroup,
 ) -> Path | None:
-    """Collective: every rank calls it. Returns the step directory on rank 0, None elsewhere."""
-    import yaml
-
+    """Collective: every rank calls it. Returns the step directory on rank 0, None elsewhere.
+    A full disk stops every rank with one line (``dit.checkpoint.stop_on_full_disk``)."""
     is_main = dist.get_rank(world) == 0
     tmp = root / f"step_{step:06d}.tmp"
+    state = {**trainer_state, "rng": rng_state()}  # before DCP's save, which draws from `random`
     if is_main:
         begin_checkpoint(root, step)
     dist.barrier(group=world)  # the fresh tmp directory exists before anyone writes into it
-    dcp.save(_sharded_state(model, optimizer, ema), checkpoint_id=tmp / SHARDED, process_group=world)
+    sharded = _sharded_state(model, optimizer, ema)
+    with stop_on_full_disk(tmp, lambda: _checkpoint_bytes(sharded, model, ema)):
+        # DCP gathers every rank's write result: a full disk on any rank fails the save on all
+        dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=world)
+    if is_main:
+        kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
+    full, ema_full = _full_weights(model, ema, is_main)
+    error = None
+    if is_main:
+        try:
+            with stop_on_full_disk(tmp, lambda: _checkpoint_bytes(sharded, model, ema)):
+                _write_export(tmp, step, model, full, ema_full, state, config)
+        except RunStopped as err:
+            error = err
+    _raise_on_every_rank(error, step, world)  # nobody goes on while rank 0 failed or has not committed
+    return commit_checkpoint(root, step, keep) if is_main else None
+
+
+def _checkpoint_bytes(sharded: dict, model, ema) -> int:
+    """About what a checkpoint writes: the shards of every rank (a DTensor counts its global size)
+    and the exported full weights (model/, ema/)."""
+    return nbytes(sharded) + nbytes(model) * (2 if ema is not None else 1)
+
+
+def _full_weights(model, ema: ShardedEMA | None, is_main: bool):
+    """Collective: the full weights and EMA, gathered to rank 0's CPU (fresh tensors: a staged copy)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     ema_full = ema.full_state_dict(is_main) if ema is not None else None
-    final = None
-    if is_main:
-        _export(model, full, tmp / "model")
-        if ema_full is not None:
-            _export(model, ema_full, tmp / "ema")
-        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
-        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        final = commit_checkpoint(root, step, keep)
-    dist.barrier(group=world)  # nobody reads or rewrites checkpoints before rank 0 committed
-    return final
+    return full, ema_full
+
+
+def _write_export(
+    tmp: Path, step: int, model, full, ema_full, trainer_state: dict, config: dict
+) -> None:
+    """Rank 0: model/, ema/, trainer.pt and config.yaml into ``tmp``."""
+    import yaml
+
+    _export(model, full, tmp / "model")
+    if ema_full is not None:
+        _export(model, ema_full, tmp / "ema")
+    save_trainer_state(tmp / "trainer.pt", {**trainer_state, "step": step})
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _raise_on_every_rank(error: BaseException | None, step: int, world: dist.ProcessGroup) -> None:
+    """Collective: rank 0's failure (or None) reaches every rank, which all stop at the same point
+    instead of the others waiting in the next collective until the timeout."""
+    box = [None if error is None else str(error)]
+    dist.broadcast_object_list(box, src=0, group=world)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RunStopped(f"rank 0 failed to save checkpoint step {step} (its error line says why)")
+
+
+class AsyncFSDPCheckpointer:
+    """``train.async_checkpoint`` under FSDP: DCP's ``async_save``.
+
+    At the save every rank stages its shards (model, optimizer, EMA) into CPU memory (DCP's
+    ``DefaultStager``, synchronous: copied when ``async_save`` returns) and rank 0 gathers the full
+    weights for the export (the same collective as a sync save, also a fresh CPU copy). DCP then
+    writes the shards from a thread; its collectives (plan, metadata) run on a gloo group of their
+    own, so they never interleave with training's. On rank 0 a second thread waits for DCP's future
+    (its ``.metadata`` is written after every rank's shards), writes the export, trainer.pt and the
+    config into ``step_X.tmp`` and renames it: a crash before that leaves the previous checkpoint
+    whole and a ``.tmp`` that resume skips.
+
+    One save in flight: the next save and the end of the run wait for it. Failures: at every step
+    while a save is pending, ``check`` all-reduces (failed here, not done here) over the world, so
+    every rank learns of a failure on any rank (a full disk, rank 0's export) at the same step and
+    stops with one line. Host memory: a CPU copy of this rank's shards, plus the full weights on rank 0.
+    """
+
+    def __init__(self, world: dist.ProcessGroup, device: torch.device):
+        self.world, self.device = world, device
+        self.is_main = dist.get_rank(world) == 0
+        # collective: every rank builds it at start-up. async_save needs a CPU backend; its own group
+        # keeps its background collectives apart from training's (the order of collectives on one
+        # group must be the same on every rank, and a thread's timing is not)
+        self.group = dist.new_group(ranks=list(range(dist.get_world_size(world))), backend="gloo")
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._step, self._tmp, self._needed = 0, Path(), 0
+
+    def save(
+        self, root: Path, step: int, model, optimizer, ema, trainer_state: dict, config: dict, keep: int
+    ):
+        self.wait()
+        tmp = root / f"step_{step:06d}.tmp"
+        state = {**trainer_state, "rng": rng_state()}  # the saved step's, as a sync save takes it
+        if self.is_main:
+            begin_checkpoint(root, step)
+        dist.barrier(group=self.world)
+        sharded = _sharded_state(model, optimizer, ema)
+        self._needed = _checkpoint_bytes(sharded, model, ema)
+        future = dcp.async_save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
+        full, ema_full = _full_weights(model, ema, self.is_main)  # staged: training may go on now
+        self._step, self._tmp, self._error = step, tmp, None
+        self._done.clear()
+        self._thread = threading.Thread(
+            target=self._finish,
+            args=(future, root, step, tmp, model, full, ema_full, state, config, keep),
+            name="checkpoint-writer",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _finish(self, future, root, step, tmp, model, full, ema_full, state, config, keep) -> None:
+        try:
+            future.result()
+            if self.is_main:
+                kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
+                _write_export(tmp, step, model, full, ema_full, state, config)
+                commit_checkpoint(root, step, keep)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            self._error = err
+        finally:
+            self._done.set()
+
+    def wait_staged(self) -> None:
+        """Nothing to wait for: staged before ``save`` returned."""
+
+    def check(self) -> None:
+        """Collective while a save is pending (every rank has the same pending state): stop every
+        rank if the save failed on any; forget it once done on all."""
+        if self._thread is None:
+            return
+        done = self._done.is_set()
+        flags = torch.tensor([float(done and self._error is not None), float(not done)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.world)
+        if flags[0] > 0:
+            self._thread.join()
+            self._thread = None
+            raise self._stop()
+        if flags[1] == 0:
+            self._thread.join()
+            self._thread = None
+
+    def wait(self) -> None:
+        """Block until the save in flight is on disk on every rank; stop every rank if it failed."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self.check()
+
+    def _stop(self) -> RunStopped:
+        err = self._error
+        tmp_name = f"step_{self._step:06d}"
+        if err is None:
+            return RunStopped(
+                f"the background save of checkpoint {tmp_name} failed on another rank (see its line)"
+            )
+        if isinstance(err, RunStopped):
+            return err
+        if is_disk_full(err):
+            return disk_full_stop(self._tmp, self._needed, err)
+        return RunStopped(f"the background save of checkpoint {tmp_name} failed: {str(err).splitlines()[-1]}")
 
 
 def _export(model, full: dict[str, torch.Tensor], directory: Path) -> None:

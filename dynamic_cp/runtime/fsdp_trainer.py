@@ -31,7 +31,11 @@ from dynamic_cp.runtime.fsdp import (
     release_weights,
     resolve_fsdp_mode,
 )
-from dynamic_cp.runtime.fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
+from dynamic_cp.runtime.fsdp_checkpoint import (
+    AsyncFSDPCheckpointer,
+    load_fsdp_checkpoint,
+    save_fsdp_checkpoint,
+)
 from dynamic_cp.runtime.iterator import StepBatch
 from dynamic_cp.runtime.step_stats import StepTimeline
 
@@ -44,12 +48,9 @@ class FSDPTrainer(DistributedTrainer):
                 f"parallel.fsdp={cfg.parallel.fsdp} resolves to 'none' here; use DistributedTrainer "
                 "(dynamic_cp.runtime.distributed_trainer.trainer_class picks the right one)"
             )
-        if cfg.train.async_checkpoint:  # DCP's async_save would do it; not wired in yet
-            raise ValueError(
-                f"train.async_checkpoint works with replicated weights only, and parallel.fsdp is "
-                f"{self.fsdp_mode} here: set train.async_checkpoint=false or parallel.fsdp=none"
-            )
         super().__init__(cfg, world, resume=resume, device=device)
+        if cfg.train.async_checkpoint:  # DCP's async_save, in place of the replicated background writer
+            self._background = AsyncFSDPCheckpointer(self.world, self.device)
 
     # ----------------------------------------------------------------------------- construction
 
@@ -187,17 +188,12 @@ class FSDPTrainer(DistributedTrainer):
 
     def save(self):
         state = {"lr_schedule": self.lr_schedule.state_dict(), "bad_steps": self.bad_steps}
-        return save_fsdp_checkpoint(
-            self.out / "checkpoints",
-            self.step,
-            self.model,
-            self._optimizers(),
-            self.ema,
-            state,
-            to_dict(self.cfg),
-            self.cfg.train.keep_checkpoints,
-            self.world,
-        )
+        args = (self.out / "checkpoints", self.step, self.model, self._optimizers(), self.ema, state)
+        rest = (to_dict(self.cfg), self.cfg.train.keep_checkpoints)
+        if self._background is not None:  # staged now, written by DCP's thread; check() reports failures
+            self._background.save(*args, *rest)
+            return None
+        return save_fsdp_checkpoint(*args, *rest, self.world)
 
     def _optimizers(self):
         """The optimizer, or the experts' (DCP's state-dict functions take a list)."""
