@@ -102,7 +102,12 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sampling_guidance.py",
         "tests/test_sampling_wan22_steps.py",
     ],
-    "dit/config.py": ["tests/test_config_validation.py", "tests/test_config.py", "tests/test_config_cli.py"],
+    "dit/config.py": [
+        "tests/test_config_validation.py",
+        "tests/test_config.py",
+        "tests/test_config_cli.py",
+        "tests/test_config_wan22_faults.py",
+    ],
     "sample.py": ["tests/test_sample_cli.py"],
 }
 
