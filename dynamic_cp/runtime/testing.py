@@ -10,6 +10,7 @@ threads make gloo timeouts likely rather than anything faster.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import pickle
@@ -53,14 +54,23 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> 
     # A forked child would inherit a process group or a CUDA context of this process: spawn then.
     can_fork = "fork" in mp.get_all_start_methods() and not dist.is_initialized()
     start_method = "fork" if can_fork and not torch.cuda.is_initialized() else "spawn"
+    # A process group an earlier test left as garbage here would be collected in a forked child,
+    # where its destructor joins gloo threads that fork did not copy: the child hangs (seen in the full
+    # suite: ~ProcessGroupGloo under gc in every rank). So collect it here, and freeze what is left:
+    # the children's collector never visits the objects they inherit.
+    gc.collect()
+    gc.freeze()
     with tempfile.TemporaryDirectory() as store_dir:
-        mp.start_processes(
-            _entry,
-            args=(world_size, store_dir, fn, args, timeout_s),
-            nprocs=world_size,
-            join=True,
-            start_method=start_method,
-        )
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world_size, store_dir, fn, args, timeout_s),
+                nprocs=world_size,
+                join=True,
+                start_method=start_method,
+            )
+        finally:
+            gc.unfreeze()
         results = []
         for rank in range(world_size):
             with open(os.path.join(store_dir, f"result{rank}.pkl"), "rb") as f:
