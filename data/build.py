@@ -67,7 +67,7 @@ def build_dataset(source: str, **options):
             raise ValueError(
                 f"manifest {source} does not exist; check data.source (relative paths start at the working directory)"
             )
-        from data.manifest import read_table
+        from data.manifest_table import read_table
 
         return _videos(source, read_table(source), options)
 

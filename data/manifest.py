@@ -48,26 +48,6 @@ def info_from(record: dict, where: str) -> VideoInfo | None:
     return VideoInfo(int(n), int(h), int(w), fps)
 
 
-def read_manifest(path: str | os.PathLike) -> list[Row]:
-    """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
-    return read_table(path).rows()
-
-
-def read_table(path: str | os.PathLike):
-    """The manifest as a ``data.manifest_table.ManifestTable``: columns, no object per row."""
-    from data.manifest_table import ManifestTable  # it builds on this module's Row
-
-    path = str(path)
-    if not path.endswith((".csv", ".jsonl")):
-        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
-    try:
-        return ManifestTable.read(path)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    except csv.Error as e:
-        raise ValueError(f"{path}: not a readable CSV file ({e})") from None
-
-
 def list_folder(folder: str | os.PathLike) -> list[Row]:
     """Every video and image under ``folder`` (recursive, sorted); the caption is the sidecar ``<name>.txt``."""
     folder = str(folder)

@@ -270,3 +270,21 @@ def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarra
     skipped = [(j, plans[t.frames[j].item(), t.height[j].item(), t.width[j].item(), t.fps[j].item()])
                for j in rows[~ok].tolist()]  # fmt: skip
     return rows[ok], metas[ok], skipped
+
+
+def read_manifest(path: str | os.PathLike) -> list[Row]:
+    """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
+    return read_table(path).rows()
+
+
+def read_table(path: str | os.PathLike):
+    """The manifest as a ``data.manifest_table.ManifestTable``: columns, no object per row."""
+    path = str(path)
+    if not path.endswith((".csv", ".jsonl")):
+        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
+    try:
+        return ManifestTable.read(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except csv.Error as e:
+        raise ValueError(f"{path}: not a readable CSV file ({e})") from None

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
-from data.manifest import Row, list_folder, read_manifest, write_manifest
+from data.manifest import Row, list_folder, write_manifest
+from data.manifest_table import read_manifest
 from data.readers import BACKENDS, VideoReadError, probe
 
 

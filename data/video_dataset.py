@@ -29,7 +29,7 @@ log = logging.getLogger("data")
 class VideoDataset(Dataset):
     """``meta(i)`` from metadata only; ``__getitem__(i)`` -> {"video", "caption", "index"}.
 
-    ``rows`` is a ``ManifestTable`` (data.manifest.read_table) or a list of ``Row``. The dataset keeps
+    ``rows`` is a ``ManifestTable`` (data.manifest_table.read_table) or a list of ``Row``. The dataset keeps
     arrays only: the table, which table row each clip is, and each clip's shape; a clip's path and
     caption are read when it is loaded."""
 

@@ -6,7 +6,8 @@ import os
 
 from data.build import build_dataset
 from data.clip_policy import ClipPolicy
-from data.manifest import Row, read_table
+from data.manifest import Row
+from data.manifest_table import read_table
 from data.readers import VideoInfo
 from data.video_dataset import VideoDataset
 

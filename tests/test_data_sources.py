@@ -9,7 +9,7 @@ from _data_media import CLIPS, make_clips
 
 from data import scan
 from data.build import build_dataset
-from data.manifest import read_manifest
+from data.manifest_table import read_manifest
 from data.readers import probe
 from data.tokens import num_tokens
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from data.build import build_dataset
 from data.failures import TooManyFailures
-from data.manifest import COLUMNS, read_manifest
+from data.manifest import COLUMNS
+from data.manifest_table import read_manifest
 from dit.config import Config, load_config
 
 CLEAR = (ValueError, TooManyFailures)

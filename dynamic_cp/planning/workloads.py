@@ -109,8 +109,7 @@ def read_manifest(path: str, policy_options: dict | None = None) -> list[int]:
     after the same clip policy training applies (``data.options``: fps, max_frames, resolution, ...),
     so the simulation sees the clips the trainer will. Rows the policy rejects are left out."""
     from data.clip_policy import ClipPolicy
-    from data.manifest import read_table
-    from data.manifest_table import plan_rows
+    from data.manifest_table import plan_rows, read_table
     from data.types import ClipMeta
 
     if not Path(path).exists():

@@ -109,9 +109,7 @@ def _full_weights(model, ema: ShardedEMA | None, is_main: bool):
     return full, ema_full
 
 
-def _write_export(
-    tmp: Path, step: int, model, full, ema_full, trainer_state: dict, config: dict
-) -> None:
+def _write_export(tmp: Path, step: int, model, full, ema_full, trainer_state: dict, config: dict) -> None:
     """Rank 0: model/, ema/, trainer.pt and config.yaml into ``tmp``."""
     import yaml
 
