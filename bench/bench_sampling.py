@@ -142,29 +142,42 @@ def simulated() -> None:
     from dynamic_cp.planning.groups_layout import normalize_cp_sizes
     from dynamic_cp.planning.sampling_planner import (
         SamplingJob,
+        decode_seconds,
         job_options,
+        job_seconds,
         plan_sampling,
         sampling_token_cap,
         weight_bytes,
     )
 
-    def tokens(frames, h, w):
-        return (1 + (frames - 1) // 4) * (h // 16) * (w // 16)
+    def job(frames, h, w):  # Wan's VAE: 4x time and 8x8 space, then 1x2x2 patches
+        return SamplingJob((1 + (frames - 1) // 4) * (h // 16) * (w // 16), 50, True, pixels=frames * h * w)
 
     rng = random.Random(0)
     frames = [33, 49, 65, 81]
-    mixed = [
-        SamplingJob(tokens(rng.choice(frames), *rng.choice([(480, 832), (720, 1280)])), 50, True)
-        for _ in range(24)
-    ]
-    small = [SamplingJob(tokens(rng.choice(frames), 480, 832), 50, True) for _ in range(24)]
+    mixed = [job(rng.choice(frames), *rng.choice([(480, 832), (720, 1280)])) for _ in range(24)]
+    small = [job(rng.choice(frames), 480, 832) for _ in range(24)]
+    long = [job(81, 720, 1280)]
+    print(
+        "simulated: the H100 profile against Wan2.1's published 1 -> 8 GPU timings (Ulysses 8, decode on rank 0)"
+    )
+    for model, size, published in (("wan-14b", (720, 1280), 1838 / 288), ("wan-1.3b", (480, 832), 2.3)):
+        cost = CostModel.from_name(model, "h100").forward()
+        one, eight = (job_seconds(cost, job(81, *size), c, False) for c in (1, 8))
+        dec = decode_seconds(cost, job(81, *size))
+        print(
+            f"  {model} {size[0]}p 81 frames: {(one + dec) / (eight + dec):.2f}x predicted "
+            f"({one / eight:.2f}x without the decode), {published:.2f}x published"
+        )
     cases = [
+        ("wan-14b", 8, "mixed 480p/720p, 33-81 frames, 8 requests", mixed[:8]),
         ("wan-14b", 8, "mixed 480p/720p, 33-81 frames, 24 requests", mixed),
+        ("wan-14b", 8, "one 720p 81-frame and 8 480p 33-frame requests", long + [job(33, 480, 832)] * 8),
         ("wan-14b", 64, "mixed 480p/720p, 33-81 frames, 24 requests", mixed),
         ("wan-14b", 64, "mixed 480p/720p, 33-81 frames, 96 requests", mixed * 4),
         ("wan-1.3b", 8, "480p, 33-81 frames, 24 requests", small),
-        ("wan-14b", 8, "one 720p 81-frame request", [SamplingJob(tokens(81, 720, 1280), 50, True)]),
-        ("wan-14b", 64, "one 720p 81-frame request", [SamplingJob(tokens(81, 720, 1280), 50, True)]),
+        ("wan-14b", 8, "one 720p 81-frame request", long),
+        ("wan-14b", 64, "one 720p 81-frame request", long),
     ]
     print("simulated: cost model forward-only, H100 profile, 50 steps, guidance on (seconds)")
     for model, world, label, jobs in cases:
@@ -182,9 +195,10 @@ def simulated() -> None:
         # no plan beats the rank-seconds of every request at its thriftiest option spread over all
         # ranks, nor its longest request at its fastest option
         opts = [job_options(cost, j, world, normalize_cp_sizes(world), cap, True) for j in jobs]
+        dec = [decode_seconds(cost, j) for j in jobs]
         bound = max(
-            sum(o[0].seconds * o[0].num_ranks for o in opts) / world,
-            max(min(x.seconds for x in o) for o in opts),
+            sum(o[0].seconds * o[0].num_ranks + d for o, d in zip(opts, dec)) / world,
+            max(min(x.seconds for x in o) + d for o, d in zip(opts, dec)),
         )
         d = _stats(dyn)
         print(

@@ -199,3 +199,18 @@ def test_image_to_video_requests_on_3_ranks_give_the_one_process_clips(tmp_path)
     for i, video in owned.items():
         diff = float((video - refs[i]).abs().max())
         assert diff <= TOL, f"image-to-video request {i} differs from one process by {diff:.2e}"
+
+
+def test_the_queue_plan_prices_each_clips_decode_by_its_pixels():
+    """``plan_queue`` (what sample.py plans under torchrun) gives the planner each request's decoded
+    pixels, frames x height x width, so the owner's decode is priced at the profile's rate. Planted:
+    the pixels left out (0) -> fails."""
+    from dynamic_cp.runtime.sampling import plan_queue
+
+    model = make_model(False)
+    cost = cost_model(model)
+    assert cost.hw.vae_decode_s_per_pixel > 0  # the H100 profile prices decodes
+    plan = plan_queue(model, None, REQUESTS, 2, cost, None, cfg_parallel=True)
+    for p in plan.placements:
+        r = REQUESTS[p.job]
+        assert p.decode == pytest.approx(r.frames * r.height * r.width * cost.hw.vae_decode_s_per_pixel)

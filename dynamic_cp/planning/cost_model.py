@@ -68,6 +68,11 @@ class Hardware:
     # per clip in a micro-batch, fwd+bwd: calls that scale with the clip count (flash-attn varlen runs
     # all clips in one kernel, so 0 on GPU; CPU SDPA runs one call per clip). Optional in profiles.
     clip_overhead_s: float = 0.0
+    # sampling only: seconds the rank that writes a clip spends in the VAE decode, per output pixel of
+    # each frame (the decoder's convolutions run over the output volume). It runs on that one rank
+    # while the rest of its group moves on (runtime/sampling.py), so a large group waits for it when
+    # the next request needs all of it. Optional in profiles (0: decode not priced).
+    vae_decode_s_per_pixel: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -488,6 +493,7 @@ class CostModel:
             inter_node_latency_s=hw.inter_node_latency_s * factor,
             micro_batch_overhead_s=hw.micro_batch_overhead_s * factor,
             clip_overhead_s=hw.clip_overhead_s * factor,
+            vae_decode_s_per_pixel=hw.vae_decode_s_per_pixel * factor,
         )
         return CostModel(self.dims, slower, self.comm, self.forward_only)
 

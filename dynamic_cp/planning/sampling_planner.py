@@ -8,7 +8,9 @@ forward-only (``CostModel.forward()``).
 A request of n tokens with guidance runs, per step, either one forward of both branches packed
 (2n tokens) on a group of c ranks, or (CFG-parallel) one forward of n tokens on each of two groups of
 c ranks, which then swap their outputs. Without guidance it is one forward of n tokens. Its time is
-steps x the cost model's micro-batch time; the options are every allowed CP size (aligned blocks,
+steps x the cost model's micro-batch time (plus its prediction's exchange); after the last step the
+owner decodes the clip (``decode_seconds``: the profile's ``vae_decode_s_per_pixel`` x the clip's
+pixels) while the group's other ranks move on. The options are every allowed CP size (aligned blocks,
 ``groups_layout``), with and without CFG-parallel, whose tokens per rank fit in memory. A layout is
 the cost model's cheapest (Ulysses degrees divide the heads, by ``CostModel.cp_layout``).
 
@@ -50,6 +52,7 @@ class SamplingJob:
     steps: int
     guided: bool  # runs an unconditional branch too
     name: str = ""  # what errors call it ("queue.jsonl line 3")
+    pixels: int = 0  # frames x height x width of the decoded clip (prices its VAE decode; 0: not priced)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,13 @@ class Placement:
     cfg_ranks: tuple[int, ...] | None  # the unconditional branch's group under CFG-parallel
     layout: tuple[int, int]  # (ulysses, ring) degrees of each group
     start: float  # predicted seconds from the start of the queue
-    end: float
+    end: float  # the last step's end: every rank but the owner is free from here
+    decode: float = 0.0  # predicted seconds of the owner's VAE decode after ``end``
+
+    @property
+    def done(self) -> float:
+        """When the clip is decoded: the owner is free from here."""
+        return self.end + self.decode
 
     @property
     def all_ranks(self) -> tuple[int, ...]:
@@ -94,14 +103,14 @@ class SamplingPlan:
 
     @property
     def makespan(self) -> float:
-        return max((p.end for p in self.placements), default=0.0)
+        return _makespan(self.placements)
 
     def for_rank(self, rank: int) -> list[Placement]:
         return [p for p in self.placements if rank in p.all_ranks]
 
     def latencies(self) -> list[float]:
         """Predicted seconds from the start of the queue to each request's clip, by job index."""
-        return [p.end for p in sorted(self.placements, key=lambda p: p.job)]
+        return [p.done for p in sorted(self.placements, key=lambda p: p.job)]
 
 
 def weight_bytes(dims: ModelDims, shards: int = 1) -> float:
@@ -167,6 +176,11 @@ def step_exchange_seconds(cost: CostModel, job: SamplingJob, cp: int, cfg_parall
     return seconds
 
 
+def decode_seconds(cost: CostModel, job: SamplingJob) -> float:
+    """The owner's VAE decode of ``job``'s clip: its pixels at the profile's rate (one rank)."""
+    return job.pixels * cost.hw.vae_decode_s_per_pixel
+
+
 def job_seconds(cost: CostModel, job: SamplingJob, cp: int, cfg_parallel: bool) -> float:
     """The whole request: each step a forward (the cost model's micro-batch without the backward)
     and the prediction's exchange (``step_exchange_seconds``)."""
@@ -214,10 +228,12 @@ def moldable_schedule(
     cost: CostModel, jobs: list[SamplingJob], options: list[list[Option]], world_size: int, weight: float
 ) -> list[Placement]:
     """Longest request first (by its least rank-seconds option); each takes the (option, blocks)
-    minimising end + ``weight`` x rank-seconds / world size; -> placements sorted by start."""
+    minimising end + ``weight`` x rank-seconds / world size; -> placements sorted by start. The
+    owner (a group's first rank) stays busy for the clip's decode, the group's other ranks do not."""
     free = [0.0] * world_size
     placements = []
-    for j in sorted(range(len(jobs)), key=lambda j: (-options[j][0].seconds, j)):
+    decodes = [decode_seconds(cost, job) for job in jobs]
+    for j in sorted(range(len(jobs)), key=lambda j: (-(options[j][0].seconds + decodes[j]), j)):
         best = None
         for option in options[j]:
             for ranks, cfg_ranks in _candidate_blocks(world_size, option):
@@ -229,13 +245,14 @@ def moldable_schedule(
         end = start + option.seconds
         for r in ranks + (cfg_ranks or ()):
             free[r] = end
+        free[ranks[0]] = end + decodes[j]
         layout = cost.layout(_branch_lengths(jobs[j], option.cfg_parallel), option.cp)
-        placements.append(Placement(j, ranks, cfg_ranks, layout, start, end))
+        placements.append(Placement(j, ranks, cfg_ranks, layout, start, end, decodes[j]))
     return sorted(placements, key=lambda p: (p.start, p.ranks[0], p.job))
 
 
 def _makespan(placements: list[Placement]) -> float:
-    return max((p.end for p in placements), default=0.0)
+    return max((p.done for p in placements), default=0.0)
 
 
 def lockstep(
@@ -256,9 +273,12 @@ def lockstep(
             slowest = max(t for t, s in zip(step_s, steps) if s > j)
             clock += max(slowest, traffic.gather_s) + traffic.gather_s / traffic.layers
             ends = [clock if s == j + 1 else e for e, s in zip(ends, steps)]
+            # the owners of the requests ending here decode before their next forward, and every
+            # other rank waits in that forward's all-gather
+            clock += max((placements[i].decode for i, s in zip(members, steps) if s == j + 1), default=0.0)
         rounds.append(list(range(len(out), len(out) + len(members))))
         out += [
-            Placement(p.job, p.ranks, p.cfg_ranks, p.layout, start, end)
+            Placement(p.job, p.ranks, p.cfg_ranks, p.layout, start, end, p.decode)
             for p, end in zip((placements[i] for i in members), ends)
         ]
         forwards.append(max(steps))

@@ -223,7 +223,12 @@ def plan_queue(
 ) -> SamplingPlan:
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
     (memory priced with 1/W of the weights; lockstep rounds)."""
-    jobs = [SamplingJob(request_tokens(model, vae, r), r.steps, r.guided, r.label()) for r in requests]
+    jobs = [
+        SamplingJob(
+            request_tokens(model, vae, r), r.steps, r.guided, r.label(), r.frames * r.height * r.width
+        )
+        for r in requests
+    ]
     if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
         # two experts (dit/experts.py) stay resident while one runs: the idle one's bf16 weights too
         memory_bytes -= BYTES_BF16 * cost.dims.num_params / (world_size if sharded else 1)
