@@ -136,6 +136,15 @@ def test_per_clip_overhead_is_charged_once_per_clip():
     assert Hardware.load("h100").clip_overhead_s == 0  # older profiles without the key still load
 
 
+def test_decode_rate_is_optional_and_scales_with_the_cluster():
+    """``vae_decode_s_per_pixel`` (sampling's VAE decode): absent from a profile -> 0, decodes not
+    priced; ``scaled`` multiplies it as it does every other time. Planted: a default of 1, and the
+    rate left out of ``scaled``: both fail."""
+    assert TOY.vae_decode_s_per_pixel == 0  # TOY (below) is built without the key
+    hw = dataclasses.replace(TOY, vae_decode_s_per_pixel=2e-7)
+    assert CostModel(TOY_DIMS, hw).scaled(3.0).hw.vae_decode_s_per_pixel == pytest.approx(6e-7)
+
+
 # A made-up GPU with round numbers, so the docstring's formulas can be worked by hand below.
 TOY = Hardware(
     name="toy", peak_flops=1e12, gemm_efficiency=0.5, gemm_half_tokens=1000.0, attention_efficiency=0.25,
