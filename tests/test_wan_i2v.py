@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _wan_parity import assert_outputs_and_gradients_match
 from accelerate import init_empty_weights
 from diffusers import WanTransformer3DModel
 
@@ -151,31 +152,9 @@ def test_packed_clips_match_diffusers_outputs_and_gradients(name):
 
     ours = ours_packed(model, clips, texts, timesteps, images)
     refs = diffusers_per_clip(wan, clips, texts, timesteps, images)
-    # fp32 outputs of O(1) after 2 blocks: both sides compute the same sums in different orders (fused
-    # vs separate projections, packed vs padded attention), ~1e-7 relative per op over a few dozen ops
-    # in sequence, so 1e-5 absolute leaves a 10x margin and still catches any wrong weight, mask or
-    # image routing (those move outputs by >1e-2).
-    for got, want in zip(ours, refs):
-        assert got.shape == want.shape
-        assert float((got - want).abs().max()) <= 1e-5
-
-    sum((o * w).sum() for o, w in zip(ours, weights)).backward()
-    sum((r * w).sum() for r, w in zip(refs, weights)).backward()
-    ours_params = dict(model.named_parameters())
-    grads = {}
-    for key, p in wan.named_parameters():
-        grad = ours_params[key].grad
-        if key == "patch_embedding.weight":  # (D, pt*ph*pw*c) -> (D, c, pt, ph, pw)
-            grad = grad.reshape(grad.shape[0], *model.patch_size, -1).permute(0, 4, 1, 2, 3)
-        grads[key] = (grad, p.grad)
-    # Backward rounds at the size of the signals flowing through it, not of each result: a parameter's
-    # gradient may be a small difference of large terms summed over all 3 x 512 text rows (the text
-    # to_k bias: softmax nearly cancels a shift of all keys), so the allowance is 1e-5 of the largest
-    # gradient entry G of the model (fp32 rounding, ~1e-7 relative per op, stays ~1e-6 G after a
-    # few dozen ops; G ~ 50 here). A mis-routed image, mask or weight moves gradients by >1e-2 G.
-    largest = max(float(ref.abs().max()) for _, ref in grads.values())
-    for key, (grad, ref) in grads.items():
-        assert float((grad - ref).abs().max()) <= 1e-5 * largest, key
+    grads = assert_outputs_and_gradients_match(
+        model, wan, ours, refs, weights
+    )  # tolerances: tests/_wan_parity.py
     assert grads["blocks.1.attn2.add_k_proj.weight"][1].abs().max() > 0  # the image path is trained
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _wan_parity import assert_outputs_and_gradients_match
 from accelerate import init_empty_weights
 from diffusers import WanTransformer3DModel
 
@@ -114,29 +115,7 @@ def test_per_token_timesteps_match_diffusers_outputs_and_gradients():
     weights = [torch.randn(c.shape, generator=torch.Generator().manual_seed(i)) for i, c in enumerate(clips)]
     ours = ours_packed(model, clips, texts)
     refs = diffusers_per_clip(wan, clips, texts)
-    # fp32 outputs of O(1) after 2 blocks; the same sums in different orders (fused vs separate
-    # projections, packed vs padded attention, one time embedding per distinct t vs one per token):
-    # ~1e-7 relative per op over a few dozen ops, so 1e-5 absolute leaves a 10x margin, while a token
-    # modulated with the wrong t moves outputs by >1e-2.
-    for got, want in zip(ours, refs):
-        assert got.shape == want.shape
-        assert float((got - want).abs().max()) <= 1e-5
-
-    sum((o * w).sum() for o, w in zip(ours, weights)).backward()
-    sum((r * w).sum() for r, w in zip(refs, weights)).backward()
-    ours_params = dict(model.named_parameters())
-    grads = {}
-    for key, p in wan.named_parameters():
-        grad = ours_params[key].grad
-        if key == "patch_embedding.weight":  # (D, pt*ph*pw*c) -> (D, c, pt, ph, pw)
-            grad = grad.reshape(grad.shape[0], *model.patch_size, -1).permute(0, 4, 1, 2, 3)
-        grads[key] = (grad, p.grad)
-    # As tests/test_wan_i2v.py: backward rounds at the size of the signals flowing through it, so the
-    # allowance is 1e-5 of the largest gradient entry G (fp32, ~1e-7 relative per op, stays ~1e-6 G
-    # after a few dozen ops); a wrong timestep on a token moves gradients by >1e-2 G.
-    largest = max(float(ref.abs().max()) for _, ref in grads.values())
-    for key, (grad, ref) in grads.items():
-        assert float((grad - ref).abs().max()) <= 1e-5 * largest, key
+    assert_outputs_and_gradients_match(model, wan, ours, refs, weights)  # tolerances: tests/_wan_parity.py
 
 
 def test_per_token_path_equals_per_clip_when_all_tokens_share_the_clip_t():
