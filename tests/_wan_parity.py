@@ -1,7 +1,41 @@
-"""Our imported VideoDiT against diffusers' WanTransformer3DModel: outputs and gradients, with the
-tolerances derived once for every Wan variant's parity test (I2V, TI2V)."""
+"""Parity with diffusers' Wan: our imported VideoDiT against WanTransformer3DModel (outputs and
+gradients, tolerances derived once for every Wan variant), and the fixed inputs the pipeline parity
+tests share (text embeddings, images)."""
 
 from __future__ import annotations
+
+import numpy as np
+import PIL.Image
+import torch
+
+TEXT_DIM = 16
+
+
+class FixedText:
+    """The prompt's and the negative prompt's embeddings, unpadded (a text encoder stub)."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(5)
+        self.rows = {
+            "a prompt": torch.randn(5, TEXT_DIM, generator=gen),
+            "": torch.randn(3, TEXT_DIM, generator=gen),
+        }
+
+    def encode(self, captions):
+        return [self.rows[c] for c in captions]
+
+    def padded(self, caption):  # (1, 512, d), as the Wan pipelines pad umT5 output
+        rows = self.rows[caption]
+        return torch.cat([rows, rows.new_zeros(512 - len(rows), TEXT_DIM)])[None]
+
+
+def pil_image(seed: int, height: int, width: int) -> PIL.Image.Image:
+    rng = np.random.default_rng(seed)
+    return PIL.Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def as_tensor(image: PIL.Image.Image) -> torch.Tensor:  # (3, H, W) in [-1, 1]
+    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float() / 127.5 - 1
 
 
 def assert_outputs_and_gradients_match(model, wan, ours, refs, weights) -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from _wan_parity import TEXT_DIM, FixedText, as_tensor, pil_image
 from conftest import save_small_clip
 from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
 from test_image_cond import small_vae
@@ -25,7 +26,6 @@ from data.vaes import DiffusersVAE
 from dit.sampling import generate
 from dit.wan_import import import_wan_state_dict
 
-TEXT_DIM = 16
 SIZE = 32  # the small CLIP's input size: the processor's resize and crop are no-ops
 FRAMES = 5
 WAN = dict(
@@ -34,31 +34,8 @@ WAN = dict(
 )  # fmt: skip
 
 
-class FixedText:
-    """A text encoder stub: the prompt's and the negative prompt's embeddings, unpadded."""
-
-    def __init__(self):
-        gen = torch.Generator().manual_seed(5)
-        self.rows = {
-            "a prompt": torch.randn(5, TEXT_DIM, generator=gen),
-            "": torch.randn(3, TEXT_DIM, generator=gen),
-        }
-
-    def encode(self, captions):
-        return [self.rows[c] for c in captions]
-
-    def padded(self, caption):  # (1, 512, d) as the Wan pipeline pads umT5 output
-        rows = self.rows[caption]
-        return torch.cat([rows, rows.new_zeros(512 - len(rows), TEXT_DIM)])[None]
-
-
-def pil_image(seed: int) -> PIL.Image.Image:
-    rng = np.random.default_rng(seed)
-    return PIL.Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
-
-
-def as_tensor(image: PIL.Image.Image) -> torch.Tensor:  # (3, H, W) in [-1, 1]
-    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float() / 127.5 - 1
+def make_image(seed: int) -> PIL.Image.Image:
+    return pil_image(seed, SIZE, SIZE)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +51,7 @@ def test_latents_equal_the_pipelines(clip, flf2v):
         for p in wan.parameters():  # off diffusers' zero pos_embed, and larger than init
             p.add_(0.1 * torch.randn_like(p))
     vae, text = small_vae(), FixedText()
-    first, last = pil_image(1), (pil_image(2) if flf2v else None)
+    first, last = make_image(1), (make_image(2) if flf2v else None)
     noise = torch.randn(1, 16, 2, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(3))
     pipe = WanImageToVideoPipeline(
         tokenizer=None, text_encoder=None, image_encoder=clip.model, image_processor=clip.processor,

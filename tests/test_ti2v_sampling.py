@@ -24,6 +24,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from _wan_parity import TEXT_DIM, FixedText, as_tensor, pil_image
 from accelerate import init_empty_weights
 from diffusers import (
     AutoencoderKLWan,
@@ -57,7 +58,6 @@ WAN22_VAE = dict(
 )  # fmt: skip
 
 Z = 8  # latent channels of the small VAE
-TEXT_DIM = 16
 HEIGHT, WIDTH, FRAMES = 64, 96, 5  # latent (2, 4, 6): 2 frames of 2 x 3 patches
 WAN = dict(
     patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=12, in_channels=Z, out_channels=Z,
@@ -106,31 +106,8 @@ def test_small_vae_encodes_and_decodes_as_the_pipeline():
         assert float((ours.decode(first) - decoded).abs().max()) <= 1e-5
 
 
-class FixedText:
-    """The prompt's and the negative prompt's embeddings, unpadded (a text encoder stub)."""
-
-    def __init__(self):
-        gen = torch.Generator().manual_seed(5)
-        self.rows = {
-            "a prompt": torch.randn(5, TEXT_DIM, generator=gen),
-            "": torch.randn(3, TEXT_DIM, generator=gen),
-        }
-
-    def encode(self, captions):
-        return [self.rows[c] for c in captions]
-
-    def padded(self, caption):  # (1, 512, d), as the Wan pipelines pad umT5 output
-        rows = self.rows[caption]
-        return torch.cat([rows, rows.new_zeros(512 - len(rows), TEXT_DIM)])[None]
-
-
-def pil_image(seed: int) -> PIL.Image.Image:
-    rng = np.random.default_rng(seed)
-    return PIL.Image.fromarray(rng.integers(0, 256, (HEIGHT, WIDTH, 3), dtype=np.uint8))
-
-
-def as_tensor(image: PIL.Image.Image) -> torch.Tensor:  # (3, H, W) in [-1, 1]
-    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float() / 127.5 - 1
+def make_image(seed: int) -> PIL.Image.Image:
+    return pil_image(seed, HEIGHT, WIDTH)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +132,7 @@ def test_latents_equal_the_pipelines(models, mode):
     call = dict(prompt_embeds=text.padded("a prompt"), negative_prompt_embeds=text.padded(""), height=HEIGHT,
                 width=WIDTH, num_frames=FRAMES, num_inference_steps=3, guidance_scale=4.0, latents=noise.clone(),
                 output_type="latent")  # fmt: skip
-    image = pil_image(1) if mode == "i2v" else None
+    image = make_image(1) if mode == "i2v" else None
     if image is None:
         want = WanPipeline(**common)(**call).frames[0]
     else:

@@ -19,8 +19,9 @@ import json
 
 import pytest
 import torch
+from _wan_parity import FixedText, as_tensor, pil_image
 from accelerate import init_empty_weights
-from test_i2v_sampling import FRAMES, SIZE, FixedText, as_tensor, pil_image
+from test_i2v_sampling import FRAMES, SIZE
 from test_image_cond import small_vae
 
 from data.vaes import DiffusersVAE
@@ -129,7 +130,7 @@ def test_latents_equal_the_two_expert_pipelines(task):
     ratio, shift = (0.9, 5.0) if i2v else (0.875, 12.0)  # the official switches and sampling shifts
     high, low = random_expert(1, 36 if i2v else 16), random_expert(2, 36 if i2v else 16)
     vae, text = small_vae(), FixedText()
-    first = pil_image(1)
+    first = pil_image(1, SIZE, SIZE)
     noise = torch.randn(1, 16, 2, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(3))
     parts = dict(tokenizer=None, text_encoder=None, transformer=high, transformer_2=low, boundary_ratio=ratio,
                  vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift))  # fmt: skip
