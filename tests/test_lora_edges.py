@@ -6,19 +6,16 @@ file whose adapters carry a bias (peft's ``lora_bias``). Written from the surviv
 from __future__ import annotations
 
 import torch
+from test_lora_files import LAYER
+from test_lora_files import _base as base_model
 
 from dit import lora
 from dit.config import LoraSettings, ModelConfig
 from dit.setup import build_model
 
-LAYER = "blocks.0.attn1.to_q"
-
 
 def _base(seed: int = 0):
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig(size="tiny", overrides={"num_layers": 1, "ffn_dim": 32}))
-    lora.freeze_base(model, torch.bfloat16)
-    return model
+    return base_model(seed, torch.bfloat16)
 
 
 def _randomize(params, seed: int):

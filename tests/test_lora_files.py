@@ -20,10 +20,11 @@ from dit.wan_import import PATCH_WEIGHT, ours_to_wan
 LAYER = "blocks.0.attn1.to_q"
 
 
-def _base(seed: int = 0):
+def _base(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A one-block tiny model, its base frozen in ``dtype``."""
     torch.manual_seed(seed)
     model = build_model(ModelConfig(size="tiny", overrides={"num_layers": 1, "ffn_dim": 32}))
-    lora.freeze_base(model, torch.float32)
+    lora.freeze_base(model, dtype)
     return model
 
 
