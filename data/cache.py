@@ -38,7 +38,7 @@ from data.cache_shards import LocalWorld, World
 from data.cli import RunStopped, run_cli
 from data.clip_policy import parse_options
 from data.failures import FailureLog
-from data.readers import VideoReadError
+from data.readers import BACKENDS, VideoReadError
 from data.tokens import latent_shape
 from dit.image_cond import condition_video
 
@@ -321,6 +321,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resolution", type=int)
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--option", action="append", default=[], help="any clip-policy option, key=value")
+    ap.add_argument(
+        "--reader", choices=BACKENDS,
+        help="video reader, as data.reader: auto (default: the first that loads: torchcodec, decord, PyAV), "
+        "torchcodec, decord or pyav",
+    )  # fmt: skip
     add_debug_flag(ap)
     args = ap.parse_args(argv)
     if args.text_encoder != "hashed" and (args.text_dim is not None or args.text_seed is not None):
@@ -382,6 +387,8 @@ def cache_from_args(args, world: World, device) -> dict:
     options = {k: getattr(args, k) for k in ("fps", "max_frames", "resolution", "max_tokens")}
     options = {k: v for k, v in options.items() if v is not None}
     options.update(parse_options(args.option))
+    if args.reader is not None:  # --option backend=... is its deprecated alias (build_dataset checks both)
+        options["reader"] = args.reader
     options["vae_stride"] = vae.stride  # the cache's latents define the stride, not a guess
     videos = os.path.isdir(args.source) or args.source.endswith((".csv", ".jsonl"))  # a clip policy applies
     if world.rank != 0 and videos:
