@@ -18,6 +18,7 @@ import inspect
 import os
 
 from data.clip_policy import ClipPolicy
+from data.manifest import MANIFEST_EXTS
 
 POLICY_OPTIONS = tuple(f.name for f in dataclasses.fields(ClipPolicy))
 LOADING_OPTIONS = {
@@ -46,7 +47,7 @@ def build_dataset(source: str, **options):
     """A dataset with ``meta(i)`` and ``__getitem__(i)`` as in data/types.py."""
     if not isinstance(source, str) or not source:
         raise ValueError(
-            "data.source is empty: use 'synthetic', a folder, a .csv/.jsonl manifest, a cache folder or pkg.module:Class"
+            "data.source is empty: use 'synthetic', a folder, a .csv/.jsonl/.parquet manifest, a cache folder or pkg.module:Class"
         )
     if options.get(READER_OPTION) is not None:  # checked for every source, as the config checks it
         from data.readers import choose_reader
@@ -69,7 +70,7 @@ def build_dataset(source: str, **options):
 
         return _videos(source, list_folder(source), options)
 
-    if source.endswith((".csv", ".jsonl")):
+    if source.endswith(MANIFEST_EXTS):
         if not os.path.isfile(source):
             raise ValueError(
                 f"manifest {source} does not exist; check data.source (relative paths start at the working directory)"
@@ -86,7 +87,7 @@ def build_dataset(source: str, **options):
         extra = {"vae_stride": tuple(stride)} if stride is not None else {}
         return PluginDataset(source, **extra, **(options.get("plugin_args") or {}))
     raise ValueError(
-        f"data source {source!r} is neither 'synthetic', an existing folder, a .csv/.jsonl manifest, "
+        f"data source {source!r} is neither 'synthetic', an existing folder, a .csv/.jsonl/.parquet manifest, "
         "nor pkg.module:ClassName. Check the path."
     )
 

@@ -38,6 +38,7 @@ from data.cache_shards import LocalWorld, World
 from data.cli import RunStopped, run_cli
 from data.clip_policy import parse_options
 from data.failures import FailureLog
+from data.manifest import MANIFEST_EXTS
 from data.readers import BACKENDS, VideoReadError
 from data.tokens import latent_shape
 from dit.image_cond import condition_video
@@ -286,7 +287,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from data.vaes import VAE_KINDS
 
     ap = argparse.ArgumentParser(prog="python -m data.cache", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", required=True, help="folder, .csv/.jsonl manifest or pkg.module:Class")
+    ap.add_argument(
+        "--source", required=True, help="folder, .csv/.jsonl/.parquet manifest or pkg.module:Class"
+    )
     ap.add_argument("--out", required=True, help="new folder for the cache")
     ap.add_argument("--vae", required=True, choices=VAE_KINDS)
     ap.add_argument("--vae-path", help="local folder of the diffusers VAE")
@@ -390,7 +393,7 @@ def cache_from_args(args, world: World, device) -> dict:
     if args.reader is not None:  # --option backend=... is its deprecated alias (build_dataset checks both)
         options["reader"] = args.reader
     options["vae_stride"] = vae.stride  # the cache's latents define the stride, not a guess
-    videos = os.path.isdir(args.source) or args.source.endswith((".csv", ".jsonl"))  # a clip policy applies
+    videos = os.path.isdir(args.source) or args.source.endswith(MANIFEST_EXTS)  # a clip policy applies
     if world.rank != 0 and videos:
         options.setdefault("progress", False)  # one probing progress bar, not one per rank
     if image is not None and image.last_frame and videos and options.get("min_frames", 1) < 2:

@@ -23,7 +23,7 @@ from array import array
 import numpy as np
 
 from data.cache_index import strings
-from data.manifest import COLUMNS, Row, info_from
+from data.manifest import COLUMNS, MANIFEST_EXTS, Row, info_from
 from data.readers import VideoInfo
 
 
@@ -37,7 +37,9 @@ class ManifestTable:
 
     @classmethod
     def read(cls, path: str) -> ManifestTable:
-        """Stream a .csv or .jsonl manifest (bad rows raise ``ValueError`` naming the line)."""
+        """Stream a .csv, .jsonl or .parquet manifest (bad rows raise ``ValueError`` naming the line)."""
+        if path.endswith(".parquet"):
+            return _read_parquet(path)
         records = _FileRecords(path)
         columns = _Columns(records.root, path)
         for offset, line, p, text, meta in records.scan():
@@ -115,28 +117,47 @@ class _Columns:
         values = np.full(raw.shape, np.nan)
         try:
             values[has_info] = raw[has_info].astype(np.float64)
-            n, h, w, fps = values[has_info].T
-            ok = (
-                np.isfinite(values[has_info]).all()
-                and min(n.min(initial=1), h.min(initial=1), w.min(initial=1)) >= 1
-            )
-            ok = ok and (fps > 0).all()
         except (ValueError, TypeError):
-            ok = False
-        if not ok:  # find the first bad row and name it, as a row-by-row read would
-            for m, line in zip(self._meta, self._lines):
-                info_from(dict(zip(COLUMNS[2:], m)), f"{self.file}:{line}")
-            raise AssertionError("a bad row passed info_from")  # pragma: no cover
+            self._bad_row()
+        self._append(self._paths, values, has_info, self._captioned)
+        self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
+
+    def _bad_row(self):
+        """Name the first bad row of the chunk, as a row-by-row read would."""
+        for m, line in zip(self._meta, self._lines):
+            info_from(dict(zip(COLUMNS[2:], m)), f"{self.file}:{line}")
+        raise AssertionError("a bad row passed info_from")  # pragma: no cover
+
+    def add_columns(self, paths: list[str], values: np.ndarray, has_info: np.ndarray, captioned, first: int):
+        """Rows given as columns (a Parquet batch): ``values`` (m, 4) float64 num_frames, height, width,
+        fps (NaN where ``has_info`` is False); ``first`` the number of the first row, for messages."""
+        for k, p in enumerate(paths):
+            if not p:
+                raise ValueError(f"{self.file}: row {first + k}: empty 'path'")
+        self._meta = [tuple(v) if h else (None,) * 4 for v, h in zip(values.tolist(), has_info.tolist())]
+        self._lines = [f"row {first + k}" for k in range(len(paths))]
+        self._append(paths, values, has_info, captioned)
+        self._meta, self._lines = [], []
+
+    def _append(self, paths, values, has_info, captioned) -> None:
+        """Check and store a chunk of rows: ``values`` (m, 4) float64, NaN where ``has_info`` is False."""
+        n, h, w, fps = values[has_info].T
+        ok = (
+            np.isfinite(values[has_info]).all()
+            and min(n.min(initial=1), h.min(initial=1), w.min(initial=1)) >= 1
+            and (fps > 0).all()
+        )
+        if not ok:
+            self._bad_row()
         ints = np.where(has_info[:, None], values[:, :3], 0).astype(
             np.int32
         )  # int(): as VideoInfo(int(n), ...)
         self.ints.extend(ints.reshape(-1).tolist())
         self.fps.extend(values[:, 3].tolist())
-        for p, has, captioned in zip(self._paths, has_info.tolist(), self._captioned):
+        for p, has, c in zip(paths, has_info.tolist(), captioned):
             # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
             missing = has and not os.path.isfile(os.path.join(self.root, p))
-            self.flags.append(missing | (captioned << 1))
-        self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
+            self.flags.append(missing | (bool(c) << 1))
 
     def table(self, records) -> ManifestTable:
         if self._paths:
@@ -242,6 +263,94 @@ def _padded(values: list[str]):
     return lambda k: values[k] if k < len(values) else None
 
 
+PARQUET_EXTRA = "pip install 'dynamic-cp-video[parquet]'"
+
+
+def _parquet(path: str):
+    """pyarrow.parquet, or a one-line ValueError naming the extra (pyarrow is optional)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading a Parquet manifest needs pyarrow: {PARQUET_EXTRA}") from None
+    return pq
+
+
+def _read_parquet(path: str) -> ManifestTable:
+    """A Parquet manifest, the same columns as a CSV one: only path, text and the metadata are read, a
+    batch of ``_Columns.CHUNK`` rows at a time; a clip's path and caption are read again when it loads."""
+    pq = _parquet(path)  # first: a missing pyarrow is the line naming the extra
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
+    names = f.schema_arrow.names
+    if "path" not in names:
+        raise ValueError(
+            f"{path}: a Parquet manifest needs a 'path' column (Open-Sora style: {','.join(COLUMNS)})"
+        )
+    records = _ParquetRecords(path, f)
+    columns = _Columns(records.root, path)
+    first = 1
+    for batch in f.iter_batches(batch_size=_Columns.CHUNK, columns=[c for c in COLUMNS if c in names]):
+        m = batch.num_rows
+        values, has_info = np.full((m, 4), np.nan), np.ones(m, dtype=bool)
+        for k, name in enumerate(COLUMNS[2:]):
+            if name not in names:
+                has_info[:] = False
+                continue
+            col = batch.column(name)
+            try:
+                values[:, k] = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise ValueError(
+                    f"{path}: column {name!r} is not numeric ({str(e)[:120]}); fix it or rerun python -m data.scan"
+                ) from None
+            has_info &= ~col.is_null().to_numpy(zero_copy_only=False)
+        values[~has_info] = np.nan
+        if "text" in names:
+            captioned = pc.fill_null(
+                pc.greater(pc.utf8_length(batch.column("text").cast(pa.string())), 0), False
+            )
+            captioned = captioned.to_numpy(zero_copy_only=False)
+        else:
+            captioned = np.zeros(m, dtype=bool)
+        paths = [p or "" for p in batch.column("path").cast(pa.string()).to_pylist()]
+        columns.add_columns(paths, values, has_info, captioned, first)
+        first += m
+    return columns.table(records)
+
+
+class _ParquetRecords:
+    """Path and caption of row j, read from its row group (those two columns only) when the clip loads;
+    the last row group read is kept, so rows of one group cost one read. Opened per read, as
+    ``_FileRecords``: DataLoader workers never share a file handle."""
+
+    def __init__(self, path: str, f):
+        self.file, self.root = path, os.path.dirname(os.path.abspath(path))
+        sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+        self.starts = np.cumsum([0] + sizes)  # (groups + 1,) first row of each group
+        self.has_text = "text" in f.schema_arrow.names
+        self._group, self._cols = -1, None
+
+    def __getstate__(self):  # a DataLoader worker gets the index, not a cached row group
+        return {**self.__dict__, "_group": -1, "_cols": None}
+
+    def get(self, j: int) -> tuple[str, str]:
+        g = int(np.searchsorted(self.starts, j, side="right")) - 1
+        if g != self._group:
+            pq = _parquet(self.file)
+            columns = ["path", "text"] if self.has_text else ["path"]
+            t = pq.ParquetFile(self.file).read_row_group(g, columns=columns)
+            self._group, self._cols = g, [t.column(c) for c in columns]
+        k = j - int(self.starts[g])
+        path = self._cols[0][k].as_py() or ""
+        text = (self._cols[1][k].as_py() if self.has_text else None) or ""
+        return os.path.normpath(path if os.path.isabs(path) else os.path.join(self.root, path)), str(text)
+
+
 def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarray, np.ndarray, list]:
     """The clip policy's shape of each of ``rows`` (table rows with metadata) -> (the rows it keeps,
     their (frames, height, width) as an (n, 3) int32 array, [(row, ClipSkip)] of the rows it rejects).
@@ -273,15 +382,15 @@ def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarra
 
 
 def read_manifest(path: str | os.PathLike) -> list[Row]:
-    """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
+    """Rows of a .csv, .jsonl or .parquet manifest; relative paths are resolved against the manifest folder."""
     return read_table(path).rows()
 
 
 def read_table(path: str | os.PathLike):
     """The manifest as a ``data.manifest_table.ManifestTable``: columns, no object per row."""
     path = str(path)
-    if not path.endswith((".csv", ".jsonl")):
-        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
+    if not path.endswith(MANIFEST_EXTS):
+        raise ValueError(f"{path}: a manifest must end in .csv, .jsonl or .parquet")
     try:
         return ManifestTable.read(path)
     except UnicodeDecodeError as e:

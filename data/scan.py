@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
-from data.manifest import Row, list_folder, write_manifest
+from data.manifest import MANIFEST_EXTS, Row, list_folder, write_manifest
 from data.manifest_table import read_manifest
 from data.readers import BACKENDS, VideoReadError, check_backend, probe
 
@@ -26,11 +26,11 @@ from data.readers import BACKENDS, VideoReadError, check_backend, probe
 def read_rows(source: str) -> list[Row]:
     if os.path.isdir(source):
         return list_folder(source)
-    if source.endswith((".csv", ".jsonl")):
+    if source.endswith(MANIFEST_EXTS):
         if not os.path.isfile(source):
             raise ValueError(f"manifest {source} does not exist")
         return read_manifest(source)
-    raise ValueError(f"{source}: give a folder of videos or a .csv/.jsonl manifest")
+    raise ValueError(f"{source}: give a folder of videos or a .csv/.jsonl/.parquet manifest")
 
 
 def probe_rows(
@@ -66,7 +66,9 @@ def probe_rows(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.scan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl manifest")
+    ap.add_argument(
+        "source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl/.parquet manifest"
+    )
     ap.add_argument("--out", required=True, help="output manifest, .csv or .jsonl")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument(
