@@ -12,7 +12,7 @@ with and without what the imports (torch, the project) hold before the index is 
 
 old = version 1 (every sample a dict in index.json); new = version 2 (columns in samples.safetensors).
 
-    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv
+    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .parquet)
     python bench/bench_index.py --manifest --old-tree /tmp/old      # and the same with another checkout
 
 ``--manifest`` does the same from a CSV manifest with metadata (what ``python -m data.scan`` writes)
@@ -129,7 +129,8 @@ def child(root: str, ranks: int, clips_per_rank: int) -> None:
     cm = CostModel.from_name("wan-1.3b", "h100")
     imports = rss_mb()
     t0 = time.perf_counter()
-    if root.endswith(".csv"):
+    manifest = root.endswith((".csv", ".parquet"))
+    if manifest:
         ds = build_dataset(root, fps=16, max_frames=81, resolution=256, progress=False)
     else:
         ds = build_dataset(root)
@@ -138,7 +139,7 @@ def child(root: str, ranks: int, clips_per_rank: int) -> None:
         num_tokens(*vars(ds.meta(i)).values(), ds.vae_stride) for i in batch
     ]  # all-gathered in training
     p = plan(lengths, ranks, cm.token_cap(shard_world=ranks), cm)
-    if root.endswith(".csv"):  # rank 0's share: paths and source metadata
+    if manifest:  # rank 0's share: paths and source metadata
         rows = [(ds.path(i), ds.info(i)) for i in batch[:clips_per_rank]]
     else:  # rank 0's share: keys, shards, captions
         rows = [ds.samples[i] for i in batch[:clips_per_rank]]
@@ -198,11 +199,20 @@ def manifest_main(args) -> None:
         path = write_manifest(tmp, args.samples)
         size = os.path.getsize(path) / 2**20
         results = {name: run_child(path, args, tree) for name, tree in trees}
+        try:  # the same rows as Parquet (the [parquet] extra), row groups of 64k rows, read by this tree
+            import pyarrow.csv
+            import pyarrow.parquet as pq
+        except ImportError:
+            print("pyarrow is not installed: no Parquet row (pip install 'dynamic-cp-video[parquet]')")
+        else:
+            parquet = os.path.join(tmp, "manifest.parquet")
+            pq.write_table(pyarrow.csv.read_csv(path), parquet, row_group_size=65536)
+            results["new, parquet"] = run_child(parquet, args)
     print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB); one rank's start-up to its first plan "
           f"({args.ranks} ranks x {args.clips_per_rank} clips), fresh process per tree")  # fmt: skip
-    print("tree  first plan s  peak RSS MB  RSS over imports MB")
+    print("tree          first plan s  peak RSS MB  RSS over imports MB")
     for name, r in results.items():
-        print(f"{name:4s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}")
+        print(f"{name:12s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}")
     if "old" in results:
         old, new = results["old"], results["new"]
         print(f"old / new: {old['seconds'] / new['seconds']:.1f}x time, "

@@ -38,7 +38,8 @@ from data.cache_shards import LocalWorld, World
 from data.cli import RunStopped, run_cli
 from data.clip_policy import parse_options
 from data.failures import FailureLog
-from data.readers import VideoReadError
+from data.manifest import MANIFEST_EXTS
+from data.readers import BACKENDS, VideoReadError
 from data.tokens import latent_shape
 from dit.image_cond import condition_video
 
@@ -286,7 +287,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from data.vaes import VAE_KINDS
 
     ap = argparse.ArgumentParser(prog="python -m data.cache", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", required=True, help="folder, .csv/.jsonl manifest or pkg.module:Class")
+    ap.add_argument(
+        "--source", required=True, help="folder, .csv/.jsonl/.parquet manifest or pkg.module:Class"
+    )
     ap.add_argument("--out", required=True, help="new folder for the cache")
     ap.add_argument("--vae", required=True, choices=VAE_KINDS)
     ap.add_argument("--vae-path", help="local folder of the diffusers VAE")
@@ -321,6 +324,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resolution", type=int)
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--option", action="append", default=[], help="any clip-policy option, key=value")
+    ap.add_argument(
+        "--reader", choices=BACKENDS,
+        help="video reader, as data.reader: auto (default: the first that loads: torchcodec, decord, PyAV), "
+        "torchcodec, decord or pyav",
+    )  # fmt: skip
     add_debug_flag(ap)
     args = ap.parse_args(argv)
     if args.text_encoder != "hashed" and (args.text_dim is not None or args.text_seed is not None):
@@ -382,8 +390,10 @@ def cache_from_args(args, world: World, device) -> dict:
     options = {k: getattr(args, k) for k in ("fps", "max_frames", "resolution", "max_tokens")}
     options = {k: v for k, v in options.items() if v is not None}
     options.update(parse_options(args.option))
+    if args.reader is not None:  # --option backend=... is its deprecated alias (build_dataset checks both)
+        options["reader"] = args.reader
     options["vae_stride"] = vae.stride  # the cache's latents define the stride, not a guess
-    videos = os.path.isdir(args.source) or args.source.endswith((".csv", ".jsonl"))  # a clip policy applies
+    videos = os.path.isdir(args.source) or args.source.endswith(MANIFEST_EXTS)  # a clip policy applies
     if world.rank != 0 and videos:
         options.setdefault("progress", False)  # one probing progress bar, not one per rank
     if image is not None and image.last_frame and videos and options.get("min_frames", 1) < 2:

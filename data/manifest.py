@@ -22,6 +22,7 @@ from data.readers import IMAGE_EXTS, VideoInfo
 VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
 MEDIA_EXTS = VIDEO_EXTS + IMAGE_EXTS
 COLUMNS = ("path", "text", "num_frames", "height", "width", "fps")
+MANIFEST_EXTS = (".csv", ".jsonl", ".parquet")  # .parquet needs pyarrow (the [parquet] extra)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from array import array
 import numpy as np
 
 from data.cache_index import strings
-from data.manifest import COLUMNS, Row, info_from
+from data.manifest import COLUMNS, MANIFEST_EXTS, Row, info_from
 from data.readers import VideoInfo
 
 
@@ -36,8 +36,15 @@ class ManifestTable:
         self._records = records  # j -> (absolute path, caption)
 
     @classmethod
-    def read(cls, path: str) -> ManifestTable:
-        """Stream a .csv or .jsonl manifest (bad rows raise ``ValueError`` naming the line)."""
+    def read(cls, path: str, fast: bool = True) -> ManifestTable:
+        """Stream a .csv, .jsonl or .parquet manifest (bad rows raise ``ValueError`` naming the line).
+        fast=False reads a CSV row by row with the csv module (what the numpy parse falls back to)."""
+        if path.endswith(".parquet"):
+            return _read_parquet(path)
+        if fast and path.endswith(".csv"):
+            table = _read_csv_fast(path)
+            if table is not None:
+                return table
         records = _FileRecords(path)
         columns = _Columns(records.root, path)
         for offset, line, p, text, meta in records.scan():
@@ -94,6 +101,7 @@ class _Columns:
 
     def __init__(self, root: str, file: str):
         self.root, self.file = root, file
+        self.listing = _Listing(root)  # which rows' files exist
         self.ints, self.fps, self.flags = array("i"), array("d"), bytearray()
         self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
 
@@ -115,28 +123,46 @@ class _Columns:
         values = np.full(raw.shape, np.nan)
         try:
             values[has_info] = raw[has_info].astype(np.float64)
-            n, h, w, fps = values[has_info].T
-            ok = (
-                np.isfinite(values[has_info]).all()
-                and min(n.min(initial=1), h.min(initial=1), w.min(initial=1)) >= 1
-            )
-            ok = ok and (fps > 0).all()
         except (ValueError, TypeError):
-            ok = False
-        if not ok:  # find the first bad row and name it, as a row-by-row read would
-            for m, line in zip(self._meta, self._lines):
-                info_from(dict(zip(COLUMNS[2:], m)), f"{self.file}:{line}")
-            raise AssertionError("a bad row passed info_from")  # pragma: no cover
+            self._bad_row()
+        self._append(self._paths, values, has_info, self._captioned)
+        self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
+
+    def _bad_row(self):
+        """Name the first bad row of the chunk, as a row-by-row read would."""
+        for m, line in zip(self._meta, self._lines):
+            info_from(dict(zip(COLUMNS[2:], m)), f"{self.file}:{line}")
+        raise AssertionError("a bad row passed info_from")  # pragma: no cover
+
+    def add_columns(self, paths: list[str], values: np.ndarray, has_info: np.ndarray, captioned, first: int):
+        """Rows given as columns (a Parquet batch): ``values`` (m, 4) float64 num_frames, height, width,
+        fps (NaN where ``has_info`` is False); ``first`` the number of the first row, for messages."""
+        for k, p in enumerate(paths):
+            if not p:
+                raise ValueError(f"{self.file}: row {first + k}: empty 'path'")
+        self._meta = [tuple(v) if h else (None,) * 4 for v, h in zip(values.tolist(), has_info.tolist())]
+        self._lines = [f"row {first + k}" for k in range(len(paths))]
+        self._append(paths, values, has_info, captioned)
+        self._meta, self._lines = [], []
+
+    def _append(self, paths, values, has_info, captioned) -> None:
+        """Check and store a chunk of rows: ``values`` (m, 4) float64, NaN where ``has_info`` is False."""
+        n, h, w, fps = values[has_info].T
+        ok = (
+            np.isfinite(values[has_info]).all()
+            and min(n.min(initial=1), h.min(initial=1), w.min(initial=1)) >= 1
+            and (fps > 0).all()
+        )
+        if not ok:
+            self._bad_row()
         ints = np.where(has_info[:, None], values[:, :3], 0).astype(
             np.int32
         )  # int(): as VideoInfo(int(n), ...)
-        self.ints.extend(ints.reshape(-1).tolist())
-        self.fps.extend(values[:, 3].tolist())
-        for p, has, captioned in zip(self._paths, has_info.tolist(), self._captioned):
-            # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
-            missing = has and not os.path.isfile(os.path.join(self.root, p))
-            self.flags.append(missing | (captioned << 1))
-        self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
+        self.ints.frombytes(ints.tobytes())
+        self.fps.frombytes(np.ascontiguousarray(values[:, 3]).tobytes())
+        # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
+        missing = self.listing.missing(paths, has_info.tolist()).astype(np.uint8)
+        self.flags.extend((missing | (np.asarray(captioned, dtype=np.uint8) << 1)).tobytes())
 
     def table(self, records) -> ManifestTable:
         if self._paths:
@@ -146,6 +172,48 @@ class _Columns:
         fps = np.frombuffer(self.fps, dtype=np.float64).copy()  # writable: probing fills it in
         frames, height, width = (ints[:, k].copy() for k in range(3))
         return ManifestTable(frames, height, width, fps, (flags & 1) > 0, (flags & 2) > 0, records)
+
+
+class _Listing:
+    """Which paths name a regular file (``os.path.isfile``), from one directory listing per folder instead
+    of one ``stat`` per row: a million clips in a few thousand folders cost a few thousand ``scandir``
+    calls (on a network file system each ``stat`` is a round trip). A folder is held, for one manifest
+    read, as the sorted 64-bit hashes of its files' names: 8 bytes a file. A name the listing lacks is
+    checked with ``os.path.isfile``, so a row is called missing exactly when isfile says so; a hash
+    collision can only let a missing file through, which the load then counts (``missing_file``)."""
+
+    def __init__(self, root: str):
+        self.prefix, self.folders = os.path.join(root, ""), {}
+
+    def _names(self, folder: str) -> np.ndarray:
+        got = self.folders.get(folder)
+        if got is None:
+            try:
+                with os.scandir(folder or ".") as entries:
+                    got = np.unique(np.fromiter((hash(e.name) for e in entries if e.is_file()), np.int64))
+            except OSError:  # absent or unreadable: every row in it is stat'ed
+                got = np.zeros(0, dtype=np.int64)
+            self.folders[folder] = got
+        return got
+
+    def missing(self, paths: list[str], check: list[bool]) -> np.ndarray:
+        """(m,) bool: ``not os.path.isfile(root/p)`` for the paths to ``check``, False for the others."""
+        groups: dict[str, tuple[list, list]] = {}
+        prefix = self.prefix
+        for k, (p, c) in enumerate(zip(paths, check)):
+            if c:
+                full = p if p.startswith("/") else prefix + p
+                folder, _, name = full.rpartition("/")
+                folder = folder or ("/" if full.startswith("/") else "")
+                rows, names = groups.setdefault(folder, ([], []))
+                rows.append(k)
+                names.append(hash(name))
+        out = np.zeros(len(paths), dtype=bool)
+        for folder, (rows, names) in groups.items():
+            out[rows] = ~np.isin(np.array(names, dtype=np.int64), self._names(folder))
+        for k in np.flatnonzero(out).tolist():
+            out[k] = not os.path.isfile(os.path.join(self.prefix, paths[k]))
+        return out
 
 
 class _MemoryRecords:
@@ -242,6 +310,232 @@ def _padded(values: list[str]):
     return lambda k: values[k] if k < len(values) else None
 
 
+# bytes of CSV records parsed together by _read_csv_fast: transient arrays of a few times this
+BLOCK = 1 << 21
+
+
+def _read_csv_fast(path: str) -> ManifestTable | None:
+    """A CSV manifest parsed with numpy, a block of records at a time, no Python per field: quotes are
+    found by the parity of the quote characters before each byte, so a comma or newline outside quotes
+    is a delimiter. None where the file needs the csv module (rows of another width, quoted paths or
+    numbers, numbers numpy does not parse, bad metadata, a byte that is not UTF-8): ``ManifestTable.read``
+    then reads it row by row and names the bad row. Gives what the row-by-row read gives."""
+    records = _FileRecords(path)
+    with open(path, "rb") as f:
+        header = f.readline()
+        try:
+            fields = next(csv.reader([header.decode("utf-8")]), None)
+        except (UnicodeDecodeError, csv.Error):
+            return None
+        if not fields or "path" not in fields or b'"' in header:
+            return None
+        records.fields, width = fields, len(fields)
+        columns = _Columns(records.root, path)
+        offsets, base, rest = [], len(header), b""
+        while True:
+            block = f.read(BLOCK)
+            data = rest + block
+            if not data:
+                break
+            buf = np.frombuffer(data, dtype=np.uint8)
+            outside = np.bitwise_xor.accumulate(buf == 34) == 0  # (b,) not inside quotes
+            newlines = np.flatnonzero((buf == 10) & outside)
+            if block and not len(newlines):
+                rest = data  # one record longer than the block: read more
+                continue
+            if not block and not outside[-1]:
+                return None  # a quote left open at the end of the file
+            cut = int(newlines[-1]) + 1 if block else len(data)
+            ends = (
+                newlines
+                if block or (len(newlines) and newlines[-1] == len(data) - 1)
+                else np.append(newlines, len(data))
+            )
+            part = _csv_block(data[:cut], buf[:cut], outside[:cut], ends, fields, width)
+            if part is None:
+                return None
+            paths, values, has_info, captioned, starts = part
+            columns._append(paths, values, has_info, captioned)
+            offsets.append(starts + base)
+            base, rest = base + cut, data[cut:]
+            if not block:
+                break
+    records.offsets = np.concatenate(offsets) if offsets else np.zeros(0, dtype=np.int64)
+    return columns.table(records)
+
+
+def _csv_block(data: bytes, buf, outside, ends, fields, width):
+    """Whole records ``data`` (ends: the position of each record's end) -> (paths, values, has_info,
+    captioned, record starts) as _Columns._append takes them, or None (see _read_csv_fast)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == 13))  # a \r\n line ending
+    keep = ends > starts  # blank lines are skipped, as csv.reader skips them
+    starts, ends = starts[keep], ends[keep]
+    commas = np.flatnonzero((buf == 44) & outside)
+    first = np.searchsorted(commas, starts)
+    if not (np.searchsorted(commas, ends) - first == width - 1).all():
+        return None  # a short or long row: the csv module's rules
+    at = commas[first[:, None] + np.arange(width - 1)] if width > 1 else np.zeros((len(starts), 0), np.int64)
+    bounds = np.concatenate([starts[:, None] - 1, at, ends[:, None]], axis=1)  # (n, width + 1)
+
+    def field(name):
+        k = fields.index(name)
+        return bounds[:, k] + 1, bounds[:, k + 1]  # start, end of the field in each record
+
+    n = len(starts)
+    values, has_info = np.full((n, 4), np.nan), np.ones(n, dtype=bool)
+    for c, name in enumerate(COLUMNS[2:]):
+        if name not in fields:
+            has_info[:] = False
+            continue
+        s, e = field(name)
+        length = e - s
+        if n and length.max() > 32:
+            return None
+        w = max(3, int(length.max(initial=0)))
+        gathered = np.where(
+            np.arange(w) < length[:, None], buf[np.minimum(s[:, None] + np.arange(w), len(buf) - 1)], 0
+        )
+        if (gathered == 34).any():
+            return None
+        text = np.ascontiguousarray(gathered.astype(np.uint8)).view(f"S{w}").reshape(n)
+        text[length == 0] = b"nan"
+        has_info &= length > 0
+        try:
+            values[:, c] = text.astype(np.float64)
+        except ValueError:
+            return None
+    values[~has_info] = np.nan
+    v = values[has_info]
+    if not (np.isfinite(v).all() and (v[:, :3] >= 1).all() and (v[:, 3] > 0).all()):
+        return None
+    s, e = field("path")
+    if not (e > s).all() or (buf[s] == 34).any():
+        return (
+            None  # an empty path (named by the row-by-row read) or a quoted one (the csv module unquotes it)
+        )
+    paths = [data[a:b].decode("utf-8") for a, b in zip(s.tolist(), e.tolist())]
+    if "text" in fields:
+        s, e = field("text")
+        captioned = (e > s) & ~((e - s == 2) & (buf[np.minimum(s, len(buf) - 1)] == 34))  # "" is empty
+    else:
+        captioned = np.zeros(n, dtype=bool)
+    return paths, values, has_info, captioned.tolist(), starts
+
+
+PARQUET_EXTRA = "pip install 'dynamic-cp-video[parquet]'"
+
+
+def _parquet(path: str):
+    """pyarrow.parquet, or a one-line ValueError naming the extra (pyarrow is optional)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading a Parquet manifest needs pyarrow: {PARQUET_EXTRA}") from None
+    return pq
+
+
+def _read_parquet(path: str) -> ManifestTable:
+    """A Parquet manifest, the same columns as a CSV one: only path, text and the metadata are read, a
+    batch of ``_Columns.CHUNK`` rows at a time; a clip's path and caption are read again when it loads."""
+    pq = _parquet(path)  # first: a missing pyarrow is the line naming the extra
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
+    names = f.schema_arrow.names
+    if "path" not in names:
+        raise ValueError(
+            f"{path}: a Parquet manifest needs a 'path' column (Open-Sora style: {','.join(COLUMNS)})"
+        )
+    records = _ParquetRecords(path, f)
+    columns = _Columns(records.root, path)
+    first = 1
+    for batch in f.iter_batches(batch_size=_Columns.CHUNK, columns=[c for c in COLUMNS if c in names]):
+        m = batch.num_rows
+        values, has_info = np.full((m, 4), np.nan), np.ones(m, dtype=bool)
+        for k, name in enumerate(COLUMNS[2:]):
+            if name not in names:
+                has_info[:] = False
+                continue
+            col = batch.column(name)
+            try:
+                values[:, k] = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise ValueError(
+                    f"{path}: column {name!r} is not numeric ({str(e)[:120]}); fix it or rerun python -m data.scan"
+                ) from None
+            has_info &= ~col.is_null().to_numpy(zero_copy_only=False)
+        values[~has_info] = np.nan
+        if "text" in names:
+            captioned = pc.fill_null(
+                pc.greater(pc.utf8_length(batch.column("text").cast(pa.string())), 0), False
+            )
+            captioned = captioned.to_numpy(zero_copy_only=False)
+        else:
+            captioned = np.zeros(m, dtype=bool)
+        paths = [p or "" for p in batch.column("path").cast(pa.string()).to_pylist()]
+        columns.add_columns(paths, values, has_info, captioned, first)
+        first += m
+    return columns.table(records)
+
+
+class _ParquetRecords:
+    """Path and caption of row j, read from its row group (those two columns only) when the clip loads;
+    the last row group read is kept, so rows of one group cost one read. Opened per read, as
+    ``_FileRecords``: DataLoader workers never share a file handle."""
+
+    def __init__(self, path: str, f):
+        self.file, self.root = path, os.path.dirname(os.path.abspath(path))
+        sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+        self.starts = np.cumsum([0] + sizes)  # (groups + 1,) first row of each group
+        self.has_text = "text" in f.schema_arrow.names
+        self._group, self._cols = -1, None
+
+    def __getstate__(self):  # a DataLoader worker gets the index, not a cached row group
+        return {**self.__dict__, "_group": -1, "_cols": None}
+
+    def get(self, j: int) -> tuple[str, str]:
+        g = int(np.searchsorted(self.starts, j, side="right")) - 1
+        if g != self._group:
+            pq = _parquet(self.file)
+            columns = ["path", "text"] if self.has_text else ["path"]
+            t = pq.ParquetFile(self.file).read_row_group(g, columns=columns)
+            self._group, self._cols = g, [t.column(c) for c in columns]
+        k = j - int(self.starts[g])
+        path = self._cols[0][k].as_py() or ""
+        text = (self._cols[1][k].as_py() if self.has_text else None) or ""
+        return os.path.normpath(path if os.path.isabs(path) else os.path.join(self.root, path)), str(text)
+
+
+def _distinct_rows(frames, height, width, fps) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(rows of (frames, height, width, fps), axis=0, return_inverse=True), through one int64
+    key a row where the values fit in 63 bits (a 1-D sort: several times faster than the rows' sort)."""
+    rates, rate = np.unique(fps, return_inverse=True)
+    columns = [frames.astype(np.int64), height.astype(np.int64), width.astype(np.int64), rate.reshape(-1)]
+    bits = [max(1, int(c.max(initial=0)).bit_length()) for c in columns]
+    if sum(bits) > 63 or min(int(c.min(initial=0)) for c in columns) < 0 or np.isnan(rates).any():
+        source = np.stack([frames, height, width, fps], axis=1)  # (m, 4)
+        return np.unique(source, axis=0, return_inverse=True)
+    key = np.zeros(len(frames), dtype=np.int64)
+    for c, b in zip(columns, bits):
+        key = (key << b) | c
+    keys, inverse = np.unique(key, return_inverse=True)
+    out = np.empty((len(keys), 4))
+    for k in (3, 2, 1, 0):  # the last column is in the lowest bits
+        out[:, k] = keys & ((1 << bits[k]) - 1)
+        keys = keys >> bits[k]
+    out[:, 3] = rates[out[:, 3].astype(np.int64)]
+    return out, inverse.reshape(-1)
+
+
 def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarray, np.ndarray, list]:
     """The clip policy's shape of each of ``rows`` (table rows with metadata) -> (the rows it keeps,
     their (frames, height, width) as an (n, 3) int32 array, [(row, ClipSkip)] of the rows it rejects).
@@ -254,8 +548,7 @@ def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarra
     metas = np.zeros((len(rows), 3), dtype=np.int32)  # -1: the policy skips the row
     for start in range(0, len(rows), 1 << 16):
         r = rows[start : start + (1 << 16)]
-        source = np.stack([t.frames[r], t.height[r], t.width[r], t.fps[r]], axis=1)  # (m, 4)
-        distinct, inverse = np.unique(source, axis=0, return_inverse=True)
+        distinct, inverse = _distinct_rows(t.frames[r], t.height[r], t.width[r], t.fps[r])
         planned = np.zeros((len(distinct), 3), dtype=np.int32)
         for u, (n, h, w, fps) in enumerate(distinct.tolist()):
             if (n, h, w, fps) not in plans:
@@ -273,15 +566,15 @@ def plan_rows(table: ManifestTable, rows: np.ndarray, policy) -> tuple[np.ndarra
 
 
 def read_manifest(path: str | os.PathLike) -> list[Row]:
-    """Rows of a .csv or .jsonl manifest; relative paths are resolved against the manifest folder."""
+    """Rows of a .csv, .jsonl or .parquet manifest; relative paths are resolved against the manifest folder."""
     return read_table(path).rows()
 
 
 def read_table(path: str | os.PathLike):
     """The manifest as a ``data.manifest_table.ManifestTable``: columns, no object per row."""
     path = str(path)
-    if not path.endswith((".csv", ".jsonl")):
-        raise ValueError(f"{path}: a manifest must end in .csv or .jsonl")
+    if not path.endswith(MANIFEST_EXTS):
+        raise ValueError(f"{path}: a manifest must end in .csv, .jsonl or .parquet")
     try:
         return ManifestTable.read(path)
     except UnicodeDecodeError as e:

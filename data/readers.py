@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from importlib import import_module
@@ -75,25 +76,42 @@ def _torchcodec():
         return None
 
 
+def choose_reader(
+    reader: str | None, backend: str | None, keys: tuple[str, str] = ("reader", "backend")
+) -> str:
+    """The reader named by ``reader`` (data.reader, --reader) or by its deprecated alias ``backend``
+    (data.options.backend, --option backend=); None = not given, neither given = 'auto'. A ValueError
+    in one line for a name not in ``BACKENDS`` or two that disagree. ``keys`` name the two in messages."""
+    for key, value in zip(keys, (reader, backend)):
+        if value is not None and value not in BACKENDS:
+            raise ValueError(f"{key}={value!r} is not a video reader; choose one of {', '.join(BACKENDS)}")
+    if backend is not None:
+        warnings.warn(f"{keys[1]} is deprecated: name the video reader with {keys[0]}", DeprecationWarning, 2)
+    if reader is not None and backend is not None and reader != backend:
+        raise ValueError(
+            f"{keys[0]}={reader!r} and {keys[1]}={backend!r} disagree; drop {keys[1]} (the old name of {keys[0]})"
+        )
+    return reader or backend or "auto"
+
+
 def check_backend(backend: str) -> str:
     """The reader ``backend`` names ('auto': the first installed); a ``ValueError`` naming the fix when
     it is unknown or not installed. Datasets call it when built, before any file is read or written."""
     if backend not in BACKENDS:
-        raise ValueError(f"reader backend {backend!r} is unknown; use one of {BACKENDS}")
+        raise ValueError(f"reader {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if backend == "auto":  # fastest first at the clip workload (docs/data.md "Decode speed")
         if _torchcodec() is not None:
             return "torchcodec"
         return "decord" if _decord() is not None else "pyav"
     if backend == "decord" and _decord() is None:
         raise ValueError(
-            "reader backend 'decord' is set (data.options.backend, --option backend=) but decord is not "
-            "installed: pip install decord (x86_64 Linux wheels only), or set the backend to 'pyav' or 'auto'"
+            "reader 'decord' is set (data.reader, --reader) but decord is not installed: pip install decord "
+            "(x86_64 Linux wheels only), or set the reader to 'pyav' or 'auto'"
         )
     if backend == "torchcodec" and _torchcodec() is None:
         raise ValueError(
-            "reader backend 'torchcodec' is set (data.options.backend, --option backend=) but torchcodec is "
-            "not installed or cannot load its FFmpeg libraries: see README.md (optional extra), or set the "
-            "backend to 'pyav' or 'auto'"
+            "reader 'torchcodec' is set (data.reader, --reader) but torchcodec is not installed or cannot "
+            "load its FFmpeg libraries: see README.md (optional extra), or set the reader to 'pyav' or 'auto'"
         )
     return backend
 

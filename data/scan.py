@@ -1,6 +1,6 @@
 """Probe videos in parallel and write a manifest with the metadata columns filled in.
 
-    python -m data.scan VIDEO_FOLDER_OR_MANIFEST --out manifest.csv [--workers 8] [--backend auto]
+    python -m data.scan VIDEO_FOLDER_OR_MANIFEST --out manifest.csv [--workers 8] [--reader auto]
 
 Files that fail to probe are left out of the manifest and listed, with reasons, in
 ``<out>.failures.csv`` and in the printed summary. Nothing is dropped silently.
@@ -18,19 +18,19 @@ from tqdm import tqdm
 
 from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
-from data.manifest import Row, list_folder, write_manifest
+from data.manifest import MANIFEST_EXTS, Row, list_folder, write_manifest
 from data.manifest_table import read_manifest
-from data.readers import BACKENDS, VideoReadError, probe
+from data.readers import BACKENDS, VideoReadError, check_backend, probe
 
 
 def read_rows(source: str) -> list[Row]:
     if os.path.isdir(source):
         return list_folder(source)
-    if source.endswith((".csv", ".jsonl")):
+    if source.endswith(MANIFEST_EXTS):
         if not os.path.isfile(source):
             raise ValueError(f"manifest {source} does not exist")
         return read_manifest(source)
-    raise ValueError(f"{source}: give a folder of videos or a .csv/.jsonl manifest")
+    raise ValueError(f"{source}: give a folder of videos or a .csv/.jsonl/.parquet manifest")
 
 
 def probe_rows(
@@ -66,10 +66,16 @@ def probe_rows(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.scan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl manifest")
+    ap.add_argument(
+        "source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl/.parquet manifest"
+    )
     ap.add_argument("--out", required=True, help="output manifest, .csv or .jsonl")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--backend", default="auto", choices=BACKENDS)
+    ap.add_argument(
+        "--reader", "--backend", dest="reader", default="auto", choices=BACKENDS,
+        help="video reader, as data.reader: auto (the first that loads: torchcodec, decord, PyAV), "
+        "torchcodec, decord or pyav (--backend: its old name)",
+    )  # fmt: skip
     ap.add_argument("--rescan", action="store_true", help="probe rows that already have metadata too")
     add_debug_flag(ap)
     args = ap.parse_args(argv)
@@ -82,7 +88,8 @@ def run(args) -> int:
         for r in rows:
             r.info = None
     failures = FailureLog(total=len(rows), max_failure_share=1.0)
-    good = probe_rows(rows, failures, args.workers, args.backend)
+    check_backend(args.reader)  # one that is not installed: one line before any file is probed
+    good = probe_rows(rows, failures, args.workers, args.reader)
     write_manifest(good, args.out)
     fail_path = args.out + ".failures.csv"
     if failures.failed:

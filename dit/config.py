@@ -96,6 +96,9 @@ class ModelConfig:
             )
 
 
+_READER_KEYS = ("data.reader", "data.options.backend")  # the key and its deprecated alias, for messages
+
+
 @dataclass
 class DataConfig:
     source: str = "synthetic"  # 'synthetic', a video folder, a .csv/.jsonl manifest, a latent cache, or pkg.module:Class
@@ -105,6 +108,10 @@ class DataConfig:
     resolutions: list = field(default_factory=lambda: [[16, 16], [16, 24], [24, 16]])
     max_shapes: int = 2  # synthetic only: most moving shapes in one clip
     options: dict = field(default_factory=dict)  # clip-policy options for real sources (see docs/data.md)
+    # video reader of data.scan, data.cache and training: 'auto' (the first that loads: torchcodec,
+    # decord, PyAV; docs/data.md "Decode speed"), 'torchcodec', 'decord' or 'pyav'. One that is not
+    # installed is refused when the dataset is built. data.options.backend is its deprecated alias
+    reader: str = "auto"
     vae: str = "identity"  # 'identity' (pixel space), 'wan', 'wan2.2' (TI2V-5B), 'hunyuan' or 'cogvideox'
     vae_path: str | None = None  # local directory of the VAE weights
     text_encoder: str = "hashed"  # 'hashed' (built in), 't5' or 'umt5'
@@ -118,6 +125,13 @@ class DataConfig:
     seed: int = 0  # dataset seed (synthetic content, shuffling)
 
     def __post_init__(self):
+        from data.readers import choose_reader
+
+        if "backend" in self.options:  # built in Python with the deprecated alias: it fills a default reader
+            self.options = dict(self.options)
+            backend = self.options.pop("backend")
+            self.reader = choose_reader(None if self.reader == "auto" else self.reader, backend, _READER_KEYS)
+        self.reader = choose_reader(self.reader, None, _READER_KEYS)
         if not 0.0 <= self.caption_dropout < 1.0:
             raise ValueError(f"data.caption_dropout={self.caption_dropout} must be in [0, 1)")
         if self.num_workers < 0:
@@ -354,6 +368,13 @@ def from_dict(cls, data: dict, prefix: str = ""):
         raise ValueError(
             f"unknown config key {prefix}{unknown[0]}; valid keys here are: {', '.join(sorted(fields))}"
         )
+    if cls is DataConfig and isinstance(data.get("options"), dict) and "backend" in data["options"]:
+        # the deprecated alias, resolved here where an explicit data.reader (even 'auto') is visible
+        from data.readers import choose_reader
+
+        options = dict(data["options"])
+        reader = choose_reader(data.get("reader"), options.pop("backend"), _READER_KEYS)
+        data = {**data, "reader": reader, "options": options}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():

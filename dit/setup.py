@@ -200,7 +200,8 @@ def build_datasets(cfg: DataConfig, patch: tuple[int, int, int]):
 
     # The clip policy snaps shapes to multiples of VAE stride x patch; user options win.
     dataset = build_dataset(
-        cfg.source, **{"vae_stride": vae_stride(cfg), "patch": tuple(patch), **cfg.options}
+        cfg.source,
+        **{"vae_stride": vae_stride(cfg), "patch": tuple(patch), **cfg.options, "reader": cfg.reader},
     )
     if len(dataset) <= cfg.num_val_clips:
         raise ValueError(

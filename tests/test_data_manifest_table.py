@@ -100,3 +100,164 @@ def test_a_byte_that_is_not_utf8_is_named_by_line_and_file_offset(tmp_path):
     (tmp_path / "m.csv").write_bytes(b"path,text\na.mp4,caf\xe9\n")
     with pytest.raises(ValueError, match=r"m.csv:2: not UTF-8 text \(.* at byte 19\); save it as UTF-8"):
         read_table(tmp_path / "m.csv")
+
+
+def _write_parquet(tmp_path, row_group_size):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = read_table(tmp_path / "m.csv").rows()
+    info = lambda name: [None if r.info is None else getattr(r.info, name) for r in rows]  # noqa: E731
+    table = pa.table(
+        {
+            "path": [os.path.relpath(r.path, tmp_path) for r in rows],
+            "text": [r.text or None for r in rows],  # an empty caption as a null
+            "num_frames": pa.array(info("num_frames"), pa.int32()),
+            "height": info("height"),
+            "width": info("width"),
+            "fps": info("fps"),
+            "aesthetic": [5.0] * len(rows),  # a column the manifest does not use: never read
+        }
+    )
+    pq.write_table(table, tmp_path / "m.parquet", row_group_size=row_group_size)
+
+
+def test_a_parquet_manifest_gives_the_csv_rows_and_dataset(tmp_path):
+    """The same rows as the CSV, through the same columns (nulls where the CSV has empty fields), read
+    back from row groups of 3 rows out of order. Planted: the row group found with side="left" in
+    _ParquetRecords.get -> the first row of each group comes from the group before and this fails; the
+    null mask dropped (nulls read as NaN metadata) -> the unprobed row is refused as bad metadata."""
+    _files(tmp_path)
+    _write_parquet(tmp_path, row_group_size=3)
+    expected = _expected(str(tmp_path))
+    table = read_table(tmp_path / "m.parquet")
+    assert [table.row(j) for j in (6, 0, 3, 2, 5, 1, 4)] == [expected[j] for j in (6, 0, 3, 2, 5, 1, 4)]
+    csv_table = read_table(tmp_path / "m.csv")
+    for name in ("missing", "captioned", "frames", "height", "width"):
+        assert getattr(table, name).tolist() == getattr(csv_table, name).tolist(), name
+    policy = dict(fps=8, max_frames=9, min_frames=5, resolution=32, vae_stride=(4, 8, 8), patch=(1, 2, 2))
+    build = dict(max_failure_share=1.0, progress=False, probe_workers=1)
+    a, b = (build_dataset(str(tmp_path / m), **policy, **build) for m in ("m.csv", "m.parquet"))
+    assert len(a) == len(b) == 4
+    for i in range(4):
+        assert (b.path(i), b.caption(i), b.meta(i), b.info(i)) == (
+            a.path(i),
+            a.caption(i),
+            a.meta(i),
+            a.info(i),
+        )
+    assert (b.failures.failed, b.failures.skipped) == (a.failures.failed, a.failures.skipped)
+
+
+def test_parquet_without_pyarrow_and_bad_parquet_are_one_line(tmp_path, monkeypatch):
+    """pyarrow hidden as on a machine without the extra (None in sys.modules fails the import). Planted:
+    the ImportError caught nowhere -> ModuleNotFoundError, not the line naming the extra."""
+    import sys
+
+    import pytest
+
+    _files(tmp_path)
+    _write_parquet(tmp_path, row_group_size=4)
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"bad.parquet: not a readable Parquet file"):
+        read_table(tmp_path / "bad.parquet")
+    for name in ("pyarrow", "pyarrow.parquet"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ValueError) as e:
+        build_dataset(str(tmp_path / "m.parquet"), progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.endswith("needs pyarrow: pip install 'dynamic-cp-video[parquet]'"), msg
+
+
+FAST_CSV = (
+    "path,text,num_frames,height,width,fps\r\n"
+    'a.mp4,"a dog, running",33,64,64,16\r\n'
+    "\r\n"  # a blank line
+    'sub/b.mp4,"two lines:\nand a ""quote""",9,32,48,8\n'
+    'c.mp4,"",120,720,1280,29.97\n'  # a quoted empty caption
+    "d.mp4,too short,1,64,64,16\n"
+    "gone.mp4,missing,33,64,64,16\n"
+    "e.mp4,not probed,,,,\n"  # no metadata: probed at build
+    "a.mp4,the same file again,33.0,64,64,16"  # no newline at the end
+)
+
+
+def _same_tables(a, b):
+    assert len(a) == len(b) and a.rows() == b.rows()
+    for name in ("frames", "height", "width", "missing", "captioned"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert a.fps.tobytes() == b.fps.tobytes()  # NaN where not probed, in the same rows
+
+
+def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
+    """The fast CSV path (data/manifest_table.py _read_csv_fast) against the csv module, with blocks of
+    64 bytes so that records straddle blocks: CRLF and LF endings, a blank line, quoted commas, a
+    newline and doubled quotes in a caption, a quoted empty caption, a row without metadata, no final
+    newline. Planted, each caught: the quote parity inverted (delimiters inside quotes); the record
+    offsets without the block's base (rows after the first block come back wrong); the \\r kept in the
+    last field (fps unparsable -> the fast path gives up -> the `fast is not None` check fails)."""
+    from data import manifest_table as mt
+
+    _files(tmp_path)
+    (tmp_path / "f.csv").write_bytes(FAST_CSV.encode())
+    slow = mt.ManifestTable.read(str(tmp_path / "f.csv"), fast=False)
+    monkeypatch.setattr(mt, "BLOCK", 64)
+    fast = mt._read_csv_fast(str(tmp_path / "f.csv"))
+    assert fast is not None
+    _same_tables(fast, slow)
+    assert slow.rows()[1].text == 'two lines:\nand a "quote"' and slow.captioned.tolist()[2] is False
+    # What the fast path leaves to the csv module gives the same table through read(): a short row,
+    # a quoted number, a quoted path.
+    for name, text in (
+        ("short.csv", "path,text,num_frames,height,width,fps\na.mp4,x\n"),
+        ("quoted.csv", 'path,text,num_frames,height,width,fps\na.mp4,x,"33",64,64,16\n'),
+        ("qpath.csv", 'path,text,num_frames,height,width,fps\n"a.mp4",x,33,64,64,16\n'),
+    ):
+        (tmp_path / name).write_text(text)
+        assert mt._read_csv_fast(str(tmp_path / name)) is None, name
+        _same_tables(
+            mt.ManifestTable.read(str(tmp_path / name)), mt.ManifestTable.read(str(tmp_path / name), False)
+        )
+
+
+def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
+    """plan_rows' _distinct_rows (one int64 key a row) against np.unique(axis=0), on random metadata and
+    on values too wide for 63 bits (the fallback). Planted: the key columns decoded in the wrong order
+    (range(4) instead of (3, 2, 1, 0)) -> fails."""
+    import numpy as np
+
+    from data.manifest_table import _distinct_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        m = int(rng.integers(0, 2000))
+        f = rng.integers(1, 2**31 - 1 if trial % 5 == 0 else 400, m).astype(np.int32)
+        h, w = (rng.choice([1, 480, 720, 1080], m).astype(np.int32) for _ in range(2))
+        fps = rng.choice([8.0, 24.0, 29.97, 30.0], m)
+        got, got_inverse = _distinct_rows(f, h, w, fps)
+        want, want_inverse = np.unique(np.stack([f, h, w, fps], axis=1), axis=0, return_inverse=True)
+        assert np.array_equal(got, want) and np.array_equal(got_inverse, want_inverse.reshape(-1)), trial
+
+
+def test_the_folder_listing_calls_missing_what_isfile_calls_missing(tmp_path):
+    """_Listing (one scandir per folder) against os.path.isfile, row by row: relative and absolute paths,
+    a sub-folder, '..', a folder named like a video, a symlink to a file, a broken symlink, a folder
+    that does not exist, a file at the root. Planted: `if e.is_file()` dropped from the listing (the
+    folder named like a video counts as a file) -> fails."""
+    import numpy as np
+
+    from data.manifest_table import _Listing
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "dir.mp4").mkdir()
+    for name in ("a.mp4", "sub/b.mp4"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "link.mp4").symlink_to(tmp_path / "a.mp4")
+    (tmp_path / "broken.mp4").symlink_to(tmp_path / "nowhere.mp4")
+    paths = ["a.mp4", "sub/b.mp4", "sub/../a.mp4", "sub/a.mp4", "dir.mp4", "link.mp4", "broken.mp4",
+             "gone/x.mp4", str(tmp_path / "sub" / "b.mp4"), "/etc/hostname", "/no-such-file.mp4", "b.mp4"]  # fmt: skip
+    check = [True] * (len(paths) - 1) + [False]  # the last row has no metadata: not checked
+    want = [not os.path.isfile(os.path.join(tmp_path, p)) for p in paths[:-1]] + [False]
+    assert _Listing(str(tmp_path)).missing(paths, check).tolist() == want
+    assert want[:8] == [False, False, False, True, True, False, True, True]
+    assert _Listing(str(tmp_path)).missing([], []).dtype == np.bool_
