@@ -323,3 +323,42 @@ def test_a_slow_all_to_all_is_not_taken_for_a_ring_that_shows():
     fitted = fit_terms(measured, SHAPE, prior)
     assert fitted.intra_inv_bw == pytest.approx(true.intra_inv_bw, rel=0.05)
     assert fitted.inter_inv_bw == pytest.approx(true.inter_inv_bw, rel=0.01)
+
+
+def test_a_zero_prior_links_scale_comes_from_the_rows_that_use_the_link(monkeypatch):
+    """The ring case with latency priors of 0: each latency's unknown is scaled by the seconds per
+    call of the rows that make calls on that link (the Ulysses rows for the intra-node link, the
+    rings across nodes for the inter-node one), so it is O(1) as the solver assumes and the pull to
+    the prior acts on it; the rows of the other link (0 calls on this one) say nothing of its size.
+    Before the fix the median ran over every row, y / 1e-30 for those without the link: a scale of
+    about 1e25 (the inter-node rows are the majority for the intra-node latency), no pull. The
+    fitted links stay within 1% (as in the ring test). Planted: the median over all rows (the old
+    code), rows with a feature of 0 kept (> 0 -> >= 0: y / 0 = inf) -> this test fails."""
+    from dynamic_cp.planning import cost_fit
+
+    scales = []
+
+    def spy(A, y, prior, scale, *rest, **kw):
+        if len(rest) == 3:  # the link fit passes the micro-batches' total seconds as denom
+            scales.append(np.array(scale))
+        return real(A, y, prior, scale, *rest, **kw)
+
+    real = cost_fit._robust_fit
+    monkeypatch.setattr(cost_fit, "_robust_fit", spy)
+    prior = replace(PRIOR, overhead=0.0, clip_overhead=0.0, inv_gemm=1e-9, inv_attn=1e-9,
+                    intra_latency=0.0, inter_latency=0.0, inter_inv_bw=1e-8)  # fmt: skip
+    true = replace(prior, intra_latency=3e-5, intra_inv_bw=4e-9, inter_latency=1e-4, inter_inv_bw=1e-7)
+    observed = [obs((n,), 2, (2, 1)) for n in (100, 400, 1600)]
+    observed += [obs((n,), 2, (1, 2), cross=True) for n in (100, 200, 400, 800, 1600, 3200)]
+    measured = _links_case(prior, true, observed)
+    fitted = fit_terms(measured, SHAPE, prior)
+    for k in COMM:
+        assert getattr(fitted, k) == pytest.approx(getattr(true, k), rel=0.01), k
+    uly, ring = comm_features(measured, SHAPE)
+    y = np.array([o.comm_seconds for o in measured])
+    assert scales
+    for j, rows in ((0, slice(0, 3)), (2, slice(3, 9))):  # the latencies: calls on their own link
+        per_call = y[rows] / (uly + ring)[rows, j]
+        assert (uly + ring)[rows, j].all()
+        for scale in scales:
+            assert per_call.min() <= scale[j] <= per_call.max(), (j, scale[j])
