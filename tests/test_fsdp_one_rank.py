@@ -185,6 +185,63 @@ def test_auto_prices_a_lora_run_with_its_adapter_ema():
     assert want.ema > 0  # the adapters' fp32 average is counted
 
 
+def test_memory_per_rank_on_a_gpu_is_the_devices_memory(monkeypatch):
+    """On CUDA without ``parallel.memory_gb`` a rank may use its device's whole memory (this machine has
+    no GPU: torch.cuda's two calls answer as an 80 GB device would). Planted: that branch returning
+    None, the memory as an int -> this test fails."""
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties)
+    memory = fsdp.memory_per_rank(load_config(None, []))
+    assert memory == 80 * 2**30 and isinstance(memory, float)
+    assert fsdp.memory_per_rank(load_config(None, ["parallel.memory_gb=2.5"])) == 2.5e9  # the knob first
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_auto_prices_the_ema_only_when_the_run_keeps_one(lora):
+    """``train.ema_decay=0`` keeps no EMA: ``auto`` prices the run without its bytes (a full or adapter
+    copy in fp32), 0.9 with them, in the replicated-LoRA and the choosing path alike. Planted:
+    ``ema_decay > 0`` as ``>= 0`` (an EMA priced for every run) -> this test fails."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode, memory_breakdown
+
+    items = ["model.lora={rank: 8}"] if lora else []
+    priced = {}
+    for decay in (0.0, 0.9):
+        cfg = load_config(None, [*items, f"train.ema_decay={decay}"])
+        mode, expected, cap = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+        dims = fsdp.model_dims_of(cfg)
+        if lora:
+            want = memory_breakdown(dims, "lora", 4, cap, False, ema=decay > 0, lora_rank=8).total
+        else:
+            want = choose_fsdp_mode(dims, 4, cap, 1e12, False, ema=decay > 0)[1]
+        assert expected == want
+        priced[decay] = expected
+    assert priced[0.0] < priced[0.9]
+
+
+@pytest.mark.parametrize("idle", ["sharded", "cpu"])
+def test_auto_prices_both_experts_of_a_two_expert_run(idle):
+    """``model.expert=both`` holds two transformers: ``auto`` prices two experts (and where the idle one
+    waits), as ``choose_fsdp_mode(experts=2, idle_expert=...)`` does; more than one expert's bytes
+    when the idle one stays on the GPU. Planted: experts 3 for both, ``idle_expert`` dropped -> this
+    test fails."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode
+
+    both = ["model.expert=both", "model.boundary_ratio=0.875", f"model.idle_expert={idle}"]
+    one = fsdp.auto_fsdp_choice(load_config(None, []), 4, 1e12)
+    cfg = load_config(None, both)
+    two = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+    assert cfg.train.ema_decay > 0  # the default keeps an EMA (of each expert)
+    dims = fsdp.model_dims_of(cfg)
+    want = choose_fsdp_mode(dims, 4, two[2], 1e12, False, ema=True, experts=2, idle_expert=idle)
+    assert two == want
+    assert (two[1] > one[1]) == (idle == "sharded")
+
+
 def _gathered(module) -> bool:
     return all(not isinstance(p, DTensor) for p in module.parameters())
 
