@@ -109,8 +109,13 @@ def test_per_layer_schedule_and_an_empty_round_add_nothing(world):
     peak = [0]
     fsdp.track_gathered_peak(model, peak)
     fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=False)
+    own = {n: p.nbytes for n, p in model.named_parameters()}  # one rank: a shard is the whole tensor
+    root = sum(b for n, b in own.items() if not n.startswith("blocks."))
+    block = sum(b for n, b in own.items() if n.startswith("blocks.0."))
     _loss(model).backward()
-    assert peak[0] > 0  # a block's forward saw gathered (plain) weights
+    # at most the root (gathered through the pass) and one block: gathered (plain) bytes, not shards
+    # (planted: the hook counting the DTensor shards instead -> this fails)
+    assert peak[0] == root + block
     fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
     fsdp.empty_micro_batch_loss(model, CPU).backward()  # a round this rank has nothing in
     _assert_grads(model, want)
@@ -240,6 +245,24 @@ def test_auto_prices_both_experts_of_a_two_expert_run(idle):
     want = choose_fsdp_mode(dims, 4, two[2], 1e12, False, ema=True, experts=2, idle_expert=idle)
     assert two == want
     assert (two[1] > one[1]) == (idle == "sharded")
+
+
+@pytest.mark.parametrize("pos_embed_seq_len", [None, 4])
+def test_the_empty_micro_batch_of_an_image_conditioned_model(pos_embed_seq_len):
+    """An image-to-video model (``image_dim``; FLF2V: ``pos_embed_seq_len`` CLIP tokens of two images)
+    needs each clip's image tokens even in a round where this rank has no micro-batch: the empty one
+    passes one clip's zeros of the shape the model checks, and its loss is 0. Planted: the image as
+    two clips' rows, FLF2V's 4 tokens as 1 (``or`` -> ``and``), the zeros call dropped -> this test
+    fails (the model refuses the shape)."""
+    dim = 128  # the tiny size's width: the image K/V must read it
+    overrides = {"num_layers": 1, "ffn_dim": 32, "image_dim": 8, "added_kv_proj_dim": dim}
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(size="tiny", overrides={**overrides, "pos_embed_seq_len": pos_embed_seq_len})
+    )
+    loss = fsdp.empty_micro_batch_loss(model, CPU)
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
 
 
 def _gathered(module) -> bool:
