@@ -124,6 +124,21 @@ def test_per_layer_schedule_and_an_empty_round_add_nothing(world):
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
+def test_a_round_with_only_the_empty_micro_batch_reduce_scatters_every_parameter(world):
+    """A rank whose first round is empty: the zero-token forward leaves some parameters out of the
+    graph (24 of the tiny model's), yet every parameter joins the reduce-scatter (as zeros), so the
+    collective's size does not depend on which clips a rank ran; each ``.grad`` is then a zero shard.
+    Planted: ``set_reduce_scatter_unused_params(False)`` (those gradients stay None; on several ranks
+    the collectives' sizes would differ) -> this test fails."""
+    model = _model()
+    fsdp.apply_fsdp(model, world, CPU, "no")
+    fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
+    fsdp.empty_micro_batch_loss(model, CPU).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        assert not _full(p.grad).any(), n
+
+
 def test_clip_by_the_global_norm_and_bytes_at_rest(world):
     model = _model()
     want = _reference_grads(model)
