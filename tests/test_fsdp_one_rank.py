@@ -243,6 +243,22 @@ def test_auto_prices_the_ema_only_when_the_run_keeps_one(lora):
     assert priced[0.0] < priced[0.9]
 
 
+def test_auto_prices_replicated_adam_moments_when_the_optimizer_is_not_sharded():
+    """``parallel.shard_optimizer=false`` keeps every rank's AdamW moments whole: ``auto`` prices them
+    so (more bytes than ZeRO-1's 1/W), as ``choose_fsdp_mode(shard_optimizer=False)``. Planted: the
+    knob not passed (``shard_optimizer=`` dropped: always sharded) -> this test fails."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode
+
+    priced = {}
+    for shard in (True, False):
+        cfg = load_config(None, [f"parallel.shard_optimizer={str(shard).lower()}"])
+        got = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+        dims = fsdp.model_dims_of(cfg)
+        assert got == choose_fsdp_mode(dims, 4, got[2], 1e12, False, shard_optimizer=shard, ema=True)
+        priced[shard] = got[1]
+    assert priced[False] > priced[True]
+
+
 @pytest.mark.parametrize("idle", ["sharded", "cpu"])
 def test_auto_prices_both_experts_of_a_two_expert_run(idle):
     """``model.expert=both`` holds two transformers: ``auto`` prices two experts (and where the idle one
