@@ -112,6 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(lambda: run(args), args.debug)
 
 
+def request_defaults(args) -> dict:
+    """The settings of a request that its queue line does not set, from the flags (checked here, before
+    anything loads)."""
+    if args.upscale < 1:
+        raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
+    return dict(
+        frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
+        guidance_2=args.guidance_2, seed=args.seed, negative_prompt=args.negative_prompt, image=args.image or "",
+        last_image=args.last_image or "",
+    )  # fmt: skip
+
+
 def run(args) -> int:
     import contextlib
     import os
@@ -122,14 +134,7 @@ def run(args) -> int:
     from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
     from dit.sampling import check_requests, check_writable, output_path, remove_partials, sample_queue
 
-    if args.upscale < 1:
-        raise ValueError(f"--upscale {args.upscale}: use 1 (the size asked for) or a larger whole factor")
-    defaults = dict(
-        frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
-        guidance_2=args.guidance_2, seed=args.seed, negative_prompt=args.negative_prompt, image=args.image or "",
-        last_image=args.last_image or "",
-    )  # fmt: skip
-    requests = build_queue(args.prompt, args.prompts_file, defaults)
+    requests = build_queue(args.prompt, args.prompts_file, request_defaults(args))
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         from dynamic_cp.runtime.sampling import sampling_world

@@ -6,6 +6,7 @@
     PYTHONPATH=$PWD python bench/mutation.py --list dit/flow.py           # print the mutants, run nothing
     PYTHONPATH=$PWD python bench/mutation.py dit/ema.py --tests tests/test_trainer_guards.py  # other tests
     PYTHONPATH=$PWD python bench/mutation.py --sample 60 dynamic_cp/planning/planner.py  # an estimate
+    PYTHONPATH=$PWD python bench/mutation.py sample.py --whole    # beyond its scope (SCOPES below)
 
 Each mutant is one small change of the module's syntax tree:
 - a comparison flipped at its boundary (``<`` <-> ``<=``, ``>`` <-> ``>=``, ``==`` <-> ``!=``,
@@ -108,8 +109,16 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_config_cli.py",
         "tests/test_config_wan22_faults.py",
     ],
-    "sample.py": ["tests/test_sample_cli.py"],
+    # argument handling only (SCOPES); the rest of sample.py is test_sample_cli.py's (--whole --tests ...)
+    "sample.py": [
+        "tests/test_sample_args.py",
+        "tests/test_sample_cli.py::test_help_names_every_flag_and_keeps_the_usage_example",
+        "tests/test_sample_cli.py::test_help_of_the_remaining_flags",
+    ],
 }
+# Modules measured in some of their functions only (the others need slow tests of their own): the
+# mutants outside them are not run, not counted and not listed; --whole measures the whole module.
+SCOPES: dict[str, tuple[str, ...]] = {"sample.py": ("main", "request_defaults")}  # its argument handling
 
 COMPARE_SWAP = {
     ast.Lt: ast.LtE,
@@ -368,6 +377,20 @@ def mutants(source: str) -> list[Mutant]:
     return m.sites
 
 
+def in_scope(source: str, functions: tuple[str, ...] | None) -> list[Mutant]:
+    """The mutants inside the module-level functions named ``functions`` (all of them for None), with
+    their indices in the whole module, so ``--only`` and ``--list`` agree with and without a scope."""
+    sites = mutants(source)
+    if functions is None:
+        return sites
+    defs = [n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    missing = set(functions) - {n.name for n in defs}
+    if missing:
+        raise SystemExit(f"scope {sorted(missing)}: no such module-level function; fix SCOPES")
+    spans = [(n.lineno, n.end_lineno) for n in defs if n.name in functions]
+    return [m for m in sites if any(a <= m.line <= b for a, b in spans)]
+
+
 def mutated_code(source: str, path: str, index: int):
     tree = ast.parse(source)
     m = _Mutator(_skipped_nodes(tree), target=index)
@@ -488,11 +511,16 @@ def _warm_imports(tests: list[str]) -> None:
 
 
 def run_module(
-    path: str, only: list[int] | None, timeout_factor: float, equivalent: dict, tests: list[str] | None = None
+    path: str,
+    only: list[int] | None,
+    timeout_factor: float,
+    equivalent: dict,
+    tests: list[str] | None = None,
+    functions: tuple[str, ...] | None = None,
 ) -> dict:
     tests = tests or TARGETS[path]
     source = (ROOT / path).read_text()
-    sites = mutants(source)
+    sites = in_scope(source, functions)
     _warm_imports(tests)
     base, base_s = _run_child(None, None, tests, timeout_s=600)
     if base != "survived":
@@ -538,13 +566,17 @@ def main() -> None:
         "'before' score): --tests \"tests/test_x.py -k 'not slow'\"",
     )
     ap.add_argument("--timeout-factor", type=float, default=5.0, help="per-mutant limit x baseline time")
+    ap.add_argument(
+        "--whole", action="store_true", help=f"every function of a module, not only its scope {SCOPES}"
+    )
     args = ap.parse_args()
     for path in args.modules:
         if path not in TARGETS:
             raise SystemExit(f"unknown module {path!r}; choose from {list(TARGETS)}")
+    scope = {path: None if args.whole else SCOPES.get(path) for path in args.modules}
     if args.list:
         for path in args.modules:
-            for m in mutants((ROOT / path).read_text()):
+            for m in in_scope((ROOT / path).read_text(), scope[path]):
                 print(f"#{m.index:<4} {m.key(path)}")
         return
     sys.path.insert(0, str(ROOT))
@@ -562,10 +594,10 @@ def main() -> None:
         if args.sample is not None and only is None:
             import random
 
-            count = len(mutants((ROOT / path).read_text()))
-            only = sorted(random.Random(0).sample(range(count), min(args.sample, count)))
+            indices = [m.index for m in in_scope((ROOT / path).read_text(), scope[path])]
+            only = sorted(random.Random(0).sample(indices, min(args.sample, len(indices))))
         tests = shlex.split(args.tests) if args.tests else None
-        results.append(run_module(path, only, args.timeout_factor, equivalent, tests))
+        results.append(run_module(path, only, args.timeout_factor, equivalent, tests, scope[path]))
     print("\nmodule                               mutants  killed  equiv  survived  score")
     for r in results:
         total = r["killed"] + r["timeout"] + r["equivalent"] + r["survived"]

@@ -323,3 +323,45 @@ def test_a_slow_all_to_all_is_not_taken_for_a_ring_that_shows():
     fitted = fit_terms(measured, SHAPE, prior)
     assert fitted.intra_inv_bw == pytest.approx(true.intra_inv_bw, rel=0.05)
     assert fitted.inter_inv_bw == pytest.approx(true.inter_inv_bw, rel=0.01)
+
+
+def test_a_zero_prior_links_scale_comes_from_the_rows_that_use_the_link(monkeypatch):
+    """The ring case with latency priors of 0: each latency's unknown is scaled by the median seconds
+    per call of the rows that make calls on that link and measured some seconds (the Ulysses rows for
+    the intra-node link, the rings across nodes for the inter-node one), so it is O(1) as the solver
+    assumes and the pull to the prior acts on it. The rows of the other link (0 calls on this one)
+    and the 25600-token ring hidden behind its attention (0 s) say nothing of its size. Before the fix
+    the median ran over every row, y / 1e-30 for those without the link: a scale of about 1e26 (the
+    inter-node rows are the majority for the intra-node latency), no pull. The fitted links stay
+    within 1% (as in the ring test). Planted: the median over all rows (the old code), rows with a
+    feature of 0 kept (> 0 -> >= 0: y / 0 = inf), the hidden ring's 0 s kept (y >= 0), the median as
+    a mean or a max -> this test fails."""
+    from dynamic_cp.planning import cost_fit
+
+    scales = []
+
+    def spy(A, y, prior, scale, *rest, **kw):
+        if len(rest) == 3:  # the link fit passes the micro-batches' total seconds as denom
+            scales.append(np.array(scale))
+        return real(A, y, prior, scale, *rest, **kw)
+
+    real = cost_fit._robust_fit
+    monkeypatch.setattr(cost_fit, "_robust_fit", spy)
+    prior = replace(PRIOR, overhead=0.0, clip_overhead=0.0, inv_gemm=1e-9, inv_attn=1e-9,
+                    intra_latency=0.0, inter_latency=0.0, inter_inv_bw=1e-8)  # fmt: skip
+    true = replace(prior, intra_latency=3e-5, intra_inv_bw=4e-9, inter_latency=1e-4, inter_inv_bw=1e-7)
+    observed = [obs((n,), 2, (2, 1)) for n in (100, 400, 1600)]
+    observed += [obs((n,), 2, (1, 2), cross=True) for n in (100, 200, 400, 800, 1600, 3200, 25600)]
+    measured = _links_case(prior, true, observed)
+    assert measured[-1].comm_seconds == 0.0  # the long ring is hidden
+    fitted = fit_terms(measured, SHAPE, prior)
+    for k in COMM:
+        assert getattr(fitted, k) == pytest.approx(getattr(true, k), rel=0.01), k
+    uly, ring = comm_features(measured, SHAPE)
+    y = np.array([o.comm_seconds for o in measured])
+    assert len(scales) == cost_fit.COMM_ROUNDS
+    for j, rows in ((0, slice(0, 3)), (2, slice(3, 9))):  # the latencies: calls on their own link
+        assert (uly + ring)[rows, j].all() and (y[rows] > 0).all()
+        expected = np.median(y[rows] / (uly + ring)[rows, j])
+        for scale in scales:
+            assert scale[j] == pytest.approx(expected, rel=1e-12), j  # a median of 3 and of 6 ratios

@@ -109,14 +109,34 @@ def test_per_layer_schedule_and_an_empty_round_add_nothing(world):
     peak = [0]
     fsdp.track_gathered_peak(model, peak)
     fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=False)
+    own = {n: p.nbytes for n, p in model.named_parameters()}  # one rank: a shard is the whole tensor
+    root = sum(b for n, b in own.items() if not n.startswith("blocks."))
+    block = sum(b for n, b in own.items() if n.startswith("blocks.0."))
     _loss(model).backward()
-    assert peak[0] > 0  # a block's forward saw gathered (plain) weights
+    # at most the root (gathered through the pass) and one block: gathered (plain) bytes, not shards
+    # (planted: the hook counting the DTensor shards instead -> this fails)
+    assert peak[0] == root + block
     fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
     fsdp.empty_micro_batch_loss(model, CPU).backward()  # a round this rank has nothing in
     _assert_grads(model, want)
     fsdp.gather_weights(model)
     fsdp.release_weights(model)
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_a_round_with_only_the_empty_micro_batch_reduce_scatters_every_parameter(world):
+    """A rank whose first round is empty: the zero-token forward leaves some parameters out of the
+    graph (24 of the tiny model's), yet every parameter joins the reduce-scatter (as zeros), so the
+    collective's size does not depend on which clips a rank ran; each ``.grad`` is then a zero shard.
+    Planted: ``set_reduce_scatter_unused_params(False)`` (those gradients stay None; on several ranks
+    the collectives' sizes would differ) -> this test fails."""
+    model = _model()
+    fsdp.apply_fsdp(model, world, CPU, "no")
+    fsdp.configure(model, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
+    fsdp.empty_micro_batch_loss(model, CPU).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        assert not _full(p.grad).any(), n
 
 
 def test_clip_by_the_global_norm_and_bytes_at_rest(world):
@@ -183,6 +203,97 @@ def test_auto_prices_a_lora_run_with_its_adapter_ema():
     want = memory_breakdown(dims, "lora", 4, cap, True, ema=True, lora_rank=8)
     assert (mode, expected, cap) == ("none", want.total, cfg.train.micro_batch_tokens)
     assert want.ema > 0  # the adapters' fp32 average is counted
+
+
+def test_memory_per_rank_on_a_gpu_is_the_devices_memory(monkeypatch):
+    """On CUDA without ``parallel.memory_gb`` a rank may use its device's whole memory (this machine has
+    no GPU: torch.cuda's two calls answer as an 80 GB device would). Planted: that branch returning
+    None, the memory as an int -> this test fails."""
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties)
+    memory = fsdp.memory_per_rank(load_config(None, []))
+    assert memory == 80 * 2**30 and isinstance(memory, float)
+    assert fsdp.memory_per_rank(load_config(None, ["parallel.memory_gb=2.5"])) == 2.5e9  # the knob first
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_auto_prices_the_ema_only_when_the_run_keeps_one(lora):
+    """``train.ema_decay=0`` keeps no EMA: ``auto`` prices the run without its bytes (a full or adapter
+    copy in fp32), 0.9 with them, in the replicated-LoRA and the choosing path alike. Planted:
+    ``ema_decay > 0`` as ``>= 0`` (an EMA priced for every run) -> this test fails."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode, memory_breakdown
+
+    items = ["model.lora={rank: 8}"] if lora else []
+    priced = {}
+    for decay in (0.0, 0.9):
+        cfg = load_config(None, [*items, f"train.ema_decay={decay}"])
+        mode, expected, cap = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+        dims = fsdp.model_dims_of(cfg)
+        if lora:
+            want = memory_breakdown(dims, "lora", 4, cap, False, ema=decay > 0, lora_rank=8).total
+        else:
+            want = choose_fsdp_mode(dims, 4, cap, 1e12, False, ema=decay > 0)[1]
+        assert expected == want
+        priced[decay] = expected
+    assert priced[0.0] < priced[0.9]
+
+
+def test_auto_prices_replicated_adam_moments_when_the_optimizer_is_not_sharded():
+    """``parallel.shard_optimizer=false`` keeps every rank's AdamW moments whole: ``auto`` prices them
+    so (more bytes than ZeRO-1's 1/W), as ``choose_fsdp_mode(shard_optimizer=False)``. Planted: the
+    knob not passed (``shard_optimizer=`` dropped: always sharded) -> this test fails."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode
+
+    priced = {}
+    for shard in (True, False):
+        cfg = load_config(None, [f"parallel.shard_optimizer={str(shard).lower()}"])
+        got = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+        dims = fsdp.model_dims_of(cfg)
+        assert got == choose_fsdp_mode(dims, 4, got[2], 1e12, False, shard_optimizer=shard, ema=True)
+        priced[shard] = got[1]
+    assert priced[False] > priced[True]
+
+
+@pytest.mark.parametrize("idle", ["sharded", "cpu"])
+def test_auto_prices_both_experts_of_a_two_expert_run(idle):
+    """``model.expert=both`` holds two transformers: ``auto`` prices two experts (and where the idle one
+    waits), as ``choose_fsdp_mode(experts=2, idle_expert=...)`` does; more than one expert's bytes
+    when the idle one stays on the GPU. Planted: experts 3 for both, ``idle_expert`` dropped -> this
+    test fails."""
+    from dynamic_cp.planning.memory import choose_fsdp_mode
+
+    both = ["model.expert=both", "model.boundary_ratio=0.875", f"model.idle_expert={idle}"]
+    one = fsdp.auto_fsdp_choice(load_config(None, []), 4, 1e12)
+    cfg = load_config(None, both)
+    two = fsdp.auto_fsdp_choice(cfg, 4, 1e12)
+    assert cfg.train.ema_decay > 0  # the default keeps an EMA (of each expert)
+    dims = fsdp.model_dims_of(cfg)
+    want = choose_fsdp_mode(dims, 4, two[2], 1e12, False, ema=True, experts=2, idle_expert=idle)
+    assert two == want
+    assert (two[1] > one[1]) == (idle == "sharded")
+
+
+@pytest.mark.parametrize("pos_embed_seq_len", [None, 4])
+def test_the_empty_micro_batch_of_an_image_conditioned_model(pos_embed_seq_len):
+    """An image-to-video model (``image_dim``; FLF2V: ``pos_embed_seq_len`` CLIP tokens of two images)
+    needs each clip's image tokens even in a round where this rank has no micro-batch: the empty one
+    passes one clip's zeros of the shape the model checks, and its loss is 0. Planted: the image as
+    two clips' rows, FLF2V's 4 tokens as 1 (``or`` -> ``and``), the zeros call dropped -> this test
+    fails (the model refuses the shape)."""
+    dim = 128  # the tiny size's width: the image K/V must read it
+    overrides = {"num_layers": 1, "ffn_dim": 32, "image_dim": 8, "added_kv_proj_dim": dim}
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(size="tiny", overrides={**overrides, "pos_embed_seq_len": pos_embed_seq_len})
+    )
+    loss = fsdp.empty_micro_batch_loss(model, CPU)
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
 
 
 def _gathered(module) -> bool:

@@ -140,3 +140,22 @@ def test_every_target_and_its_tests_exist(path):
                 name = t.split("::")[1]
                 assert f"def {name}(" in (root / t.split("::")[0]).read_text(), t
             assert (root / t.split("::")[0]).is_file(), t
+
+
+def test_a_scope_keeps_the_mutants_of_the_functions_it_names_with_their_indices():
+    """``SCOPES`` (sample.py's argument handling): only the mutants inside the named module-level
+    functions run and count, numbered as in the whole module so ``--only`` means the same mutant with
+    and without ``--whole``; a name that is not a function stops the bench. Planted: the span's end
+    line left out (``<=`` -> ``<``), the indices renumbered -> this test fails."""
+    source = "def parse(x):\n    return x + 1\n\n\ndef slow(x):\n    return x * 2\n\n\ndef check(x):\n    return x > 0\n"
+    whole = mutation.in_scope(source, None)
+    assert [m.line for m in whole] == [2, 2, 2, 6, 6, 6, 10, 10, 10]
+    scoped = mutation.in_scope(source, ("parse", "check"))
+    assert [m.index for m in scoped] == [0, 1, 2, 6, 7, 8]
+    assert scoped == [whole[i] for i in (0, 1, 2, 6, 7, 8)]
+    with pytest.raises(SystemExit, match=r"\['pars'\]: no such module-level function"):
+        mutation.in_scope(source, ("pars",))
+    for path, functions in mutation.SCOPES.items():  # every scope names functions of its module
+        assert path in mutation.TARGETS and mutation.in_scope(
+            (Path(__file__).parents[1] / path).read_text(), functions
+        )

@@ -188,6 +188,14 @@ def _bounds(names, prior: Terms):
     return p, scale, lower, upper
 
 
+def _data_scale(y: np.ndarray, feature: np.ndarray) -> float:
+    """The scale of a term whose prior is 0: the median of seconds per unit of its feature over the
+    rows that have some of it and measured some seconds (a row without the feature says nothing of
+    its size: y / 0 would make the scale ~1e26 and the pull to the prior nothing); 1 without one."""
+    rows = (feature > 0) & (y > 0)
+    return float(np.median(y[rows] / feature[rows])) if rows.any() else 1.0
+
+
 def _fit_compute(obs, shape: Shape, prior: Terms, gemm_half: float, attn_half: float):
     y = np.array([max(o.seconds - o.comm_seconds, 1e-9) for o in obs])
     p, scale, lower, upper = _bounds(COMPUTE, prior)
@@ -195,7 +203,7 @@ def _fit_compute(obs, shape: Shape, prior: Terms, gemm_half: float, attn_half: f
     A = compute_features(obs, shape, gemm_half, attn_half)
     for j in range(4):
         if p[j] == 0 and A[:, j].any():
-            scale[j] = float(np.median(y / np.maximum(A[:, j], 1e-30)))
+            scale[j] = _data_scale(y, A[:, j])
     return _robust_fit(A, y, p, scale, lower, upper)
 
 
@@ -240,12 +248,8 @@ def fit_terms(observations: list[Observation], shape: Shape, prior: Terms) -> Te
     has_ring = ring.any(axis=1)
     p, scale, lower, upper = _bounds(COMM, prior)
     for j in range(4):
-        if p[j] == 0 and (uly[:, j].any() or ring[:, j].any()):
-            scale[j] = (
-                float(np.median(y[y > 0] / np.maximum((uly + ring)[y > 0, j], 1e-30)))
-                if (y > 0).any()
-                else 1.0
-            )
+        if p[j] == 0:
+            scale[j] = _data_scale(y, (uly + ring)[:, j])
     x = p
     # The ring's exposed time max(ring - attention, 0) is linear where the ring shows, so alternate:
     # decide which rows show their ring under the current terms (or measure more than their
