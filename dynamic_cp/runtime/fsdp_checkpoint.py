@@ -82,8 +82,7 @@ def save_fsdp_checkpoint(
     with stop_on_full_disk(tmp, lambda: _checkpoint_bytes(sharded, model, ema)):
         # DCP gathers every rank's write result: a full disk on any rank fails the save on all
         dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=world)
-    if is_main:
-        kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
+    kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
     full, ema_full = _full_weights(model, ema, is_main)
     error = None
     if is_main:
@@ -187,8 +186,8 @@ class AsyncFSDPCheckpointer:
     def _finish(self, future, root, step, tmp, model, full, ema_full, state, config, keep) -> None:
         try:
             future.result()
+            kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
             if self.is_main:
-                kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
                 _write_export(tmp, step, model, full, ema_full, state, config)
                 commit_checkpoint(root, step, keep)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
