@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,16 +133,33 @@ def save_trainer_state(path: Path, state: dict) -> None:
 KILL_IN_SAVE = "DYNAMIC_CP_TEST_KILL_IN_SAVE"
 
 
-def kill_point_for_tests(step: int) -> None:
-    """TEST-ONLY fault hook, off by default (and for every real run): with the environment variable
-    ``DYNAMIC_CP_TEST_KILL_IN_SAVE=<step>``, the process SIGKILLs itself partway through writing
-    checkpoint ``<step>`` (its first files written, the folder still ``.tmp``), in the first attempt
-    of a torchrun job only (TORCHELASTIC_RESTART_COUNT unset or 0), so that the restarted attempt
-    runs through. Called from the sync, the background and the FSDP save paths;
-    tests/test_faults_torchrun.py kills a rank during a save with it."""
+def kill_point_for_tests(step: int, writer_started: Path | None = None) -> None:
+    """TEST-ONLY fault hook, off by default (and for every real run). With the environment variable
+    ``DYNAMIC_CP_TEST_KILL_IN_SAVE=<step>[:<rank>]`` (rank 0 when not given), in the first attempt of
+    a torchrun job only (TORCHELASTIC_RESTART_COUNT unset or 0, so that the restarted attempt runs
+    through), the process of that ``RANK`` SIGKILLs itself at its kill point of checkpoint ``<step>``:
+    partway through the save, its first files written, the folder still ``.tmp``.
+
+    Every other rank that reaches a kill point of that checkpoint waits there until torchrun, which saw
+    the death, stops it (as a slow disk would hold a writer there): the writer cannot finish the save
+    first, so what the kill leaves does not depend on which process the scheduler runs first.
+    ``writer_started``: the ``.tmp`` folder another rank writes; a rank that takes no part in writing
+    (replicated weights: every rank but 0) waits for it to exist before dying, so that its death falls
+    during the write. Called from the sync, the background and the FSDP save paths;
+    tests/test_faults_torchrun.py kills rank 2 of 4 during a save with it."""
     wanted = os.environ.get(KILL_IN_SAVE)
-    if wanted is None or int(wanted) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if wanted is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
+    at, _, victim = wanted.partition(":")
+    if int(at) != step:
+        return
+    if int(os.environ.get("RANK", "0")) != int(victim or 0):
+        time.sleep(600)  # torchrun stops this process long before
+        return
+    for _ in range(60000):  # 600 s at most
+        if writer_started is None or writer_started.exists():
+            break
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -248,3 +248,24 @@ def test_resume_auto_before_any_checkpoint_starts_fresh_and_drops_the_dead_runs_
         train.resolve_resume(cfg, "auto", overwrite=True)
     with pytest.raises(ValueError, match="already holds a run"):  # no resume: refused as before
         train.resolve_resume(cfg, None, overwrite=False)
+
+
+def test_nccl_flight_recorder_env_sets_the_dump_and_keeps_the_users_values(tmp_path, monkeypatch):
+    """Before an NCCL process group starts: async error handling (abort a timed-out collective), a
+    dump of each rank's last collectives on a timeout into <output_dir>/flight_recorder/rank_<N>,
+    and a value the user set kept. No GPU here, so this checks the environment the process group
+    will read, not a dump. Planted: TORCH_NCCL_DUMP_ON_TIMEOUT not set -> fails."""
+    from dynamic_cp.runtime.timeouts import nccl_flight_recorder_env
+
+    names = ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE",
+             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE"]  # fmt: skip
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")  # the user's
+    folder = nccl_flight_recorder_env(str(tmp_path / "run"))
+    assert folder == tmp_path / "run" / "flight_recorder" and folder.is_dir()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(folder / "rank_")
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"

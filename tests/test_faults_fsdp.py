@@ -63,6 +63,19 @@ def _patch_writer(rank: int, fault: str) -> None:
         return out
 
     fs._write_item = write_item
+    if fault == "enospc":
+        # async: the failed save has ended on every rank before the next step's check (a disk that
+        # fails at once), so that check must be the one to stop the run: at the next step, not later
+        from dynamic_cp.runtime.fsdp_checkpoint import AsyncFSDPCheckpointer
+
+        check = AsyncFSDPCheckpointer.check
+
+        def check_when_done(self):
+            if self._thread is not None:
+                assert self._done.wait(timeout=120)
+            return check(self)
+
+        AsyncFSDPCheckpointer.check = check_when_done
     if fault == "hold":
         finish = FSDPTrainer.finish_step
 
@@ -163,10 +176,12 @@ def test_async_fsdp_checkpoints_equal_sync_ones(reference, tmp_path):
 @pytest.mark.parametrize("async_checkpoint", ["false", "true"])
 def test_disk_full_during_a_dcp_save_stops_and_resume_auto_continues(reference, tmp_path, async_checkpoint):
     """Rank 1's writer fails with ENOSPC partway through checkpoint 3's shards. Every rank stops with
-    one line naming the shard file and the bytes needed (async: at the next step, or at the end at
-    the latest); step 2 stays whole and ``--resume auto`` resumes it and ends on the reference's
-    losses. Planted: save_fsdp_checkpoint's stop_on_full_disk removed -> DCP's CheckpointException
-    escapes instead of the one line, and step_000003.tmp stays."""
+    one line naming the shard file and the bytes needed, before step 4 (async: at the next step's
+    check, the save's failure being known by then); step 2 stays whole and ``--resume auto``
+    resumes it and ends on the reference's losses. Planted: save_fsdp_checkpoint's
+    stop_on_full_disk removed -> DCP's CheckpointException escapes instead of the one line, and
+    step_000003.tmp stays. Planted: the training loop's per-step ``check()`` dropped, so the failure
+    surfaces only in the final wait -> step 4 is trained and logged (caught)."""
     extra = {"train.async_checkpoint": async_checkpoint}
     results = _train(tmp_path, extra, fault="enospc")
     for rank, res in enumerate(results):
@@ -178,6 +193,7 @@ def test_disk_full_during_a_dcp_save_stops_and_resume_auto_continues(reference, 
         assert "needs about " in line and "it takes step_000002" in line, line
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001", "step_000002"]
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1, 2, 3]  # stopped before step 4
 
     assert _train(tmp_path, extra, resume=True) == [{"ok": True}] * 2  # space freed
     assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1, 2, 3, 4]

@@ -1,14 +1,14 @@
 """Faults of a multi-process run, with real processes: a rank killed under torchrun, a rank hung.
 
-- Kill: ``torchrun --max-restarts=1 train.py ... --resume auto`` on 2 gloo ranks, with replicated
-  weights and with FSDP per_layer (2 ranks, not the issue's 4: the CI machine has 2 cores and each
-  rank imports torch and diffusers). Right after the first checkpoint, rank 1 is SIGKILLed (in the
-  middle of a step: steps take about a second here and the kill follows the checkpoint within
-  milliseconds). torchrun restarts both workers with the same arguments; they resume the newest
-  whole checkpoint and the job ends at max_steps with weights bitwise equal to an uninterrupted
-  torchrun run (same plan, same reduction order, same OMP_NUM_THREADS=1; under FSDP the same
-  shards, restored by DCP), the same loss at every step (the same clips: the data position is the
-  step), and each step once in metrics.jsonl. One uninterrupted run per mode serves every test.
+- Kill: ``torchrun --nproc_per_node=4 --max-restarts=1 train.py ... --resume auto`` on 4 gloo ranks,
+  with replicated weights and with FSDP per_layer. Right after the first checkpoint, rank 2 is
+  SIGKILLed (in the middle of a step: the kill follows the checkpoint within milliseconds). torchrun
+  restarts every worker with the same arguments; they resume the newest whole checkpoint and the job
+  ends at max_steps with weights bitwise equal to an uninterrupted 4-rank torchrun run (same plan,
+  same reduction order, same OMP_NUM_THREADS=1; under FSDP the same shards, restored by DCP), the
+  same loss and tokens at every step (the same clips: the data position is the step), and each step
+  once in metrics.jsonl. The same for rank 2 killed during checkpoint 4, sync and async. One
+  uninterrupted run per mode serves every test (a module-scoped fixture).
 - Hang: two ranks started as torchrun would (env://), ``parallel.timeout_s=5``; after step 2 rank 1
   is SIGSTOPped. Rank 0 must exit non-zero within timeout_s + 30 s with one line naming the
   collective and the step.
@@ -35,6 +35,8 @@ from dynamic_cp.runtime.testing import torchrun_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
+RANKS = 4  # the issue's kill tests: 4 gloo ranks (the hang test runs 2)
+VICTIM = 2  # a rank that is neither rank 0 (the writer of replicated checkpoints) nor the last
 PARALLEL = {
     "parallel.mode": "dynamic",
     "parallel.hardware": "h100",  # fixed prices and no refit: the same plans in every attempt
@@ -57,7 +59,7 @@ def _torchrun(run_dir: Path, mode: str, extra: list[str], max_restarts: int = 0,
         run_dir, **PARALLEL, **MODES[mode], **{"train.max_steps": 6, "train.checkpoint_every": 2}
     )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
         f"--max-restarts={max_restarts}", "train.py", "--config", TINY, *over, *extra, "--resume", "auto",
     ]  # fmt: skip
     return subprocess.Popen(
@@ -95,10 +97,14 @@ def _assert_ends_equal(run: Path, whole: Path, out: str) -> None:
     """The restarted job resumed (not started over), logged each step once, trained every step on the
     uninterrupted run's clips (their tokens: the data position) to its loss, and ended on its weights.
 
-    Bitwise in both modes, which is stricter than the 1e-6 the issue allows under FSDP: the attempt
-    that resumes runs on the same 2 ranks with the same plans (fixed prices), so every rank holds
-    the same shards (DCP restores their bytes) and every sum runs in the same order as in the
-    uninterrupted run; nothing differs to round differently."""
+    Bitwise in both modes, which is stricter than the 1e-6 the issue allows under FSDP per_layer: the
+    attempt that resumes runs on the same 4 ranks with the same plans (fixed prices, no cost
+    refit), so every rank holds the same shards (DCP restores their bytes, and the optimizer's
+    moments), gathers the same blocks and reduce-scatters its gradients in the same order as the
+    uninterrupted run: every float operation repeats with the same operands in the same order,
+    and IEEE arithmetic then gives the same bits. A tolerance would only be needed if the restart
+    changed the world size or the plan (another sum order rounds differently); here neither changes,
+    so any difference at all is a bug of the resume (moments not restored: the plant below)."""
     assert "resumed from" in out, out[-3000:]
     steps = [r["step"] for r in _rows(run)]
     assert steps == sorted(set(steps)) and steps[-1] == 6 and set(steps) >= set(range(1, 7)), steps
@@ -119,8 +125,7 @@ def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(uninterrupted, tm
     deadline = time.time() + 600
     while not first.is_dir() and killed.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    victim = torchrun_workers(killed.pid)[1]
-    os.kill(victim, signal.SIGKILL)
+    os.kill(torchrun_workers(killed.pid)[VICTIM], signal.SIGKILL)
     out, _ = killed.communicate(timeout=900)
     assert killed.returncode == 0, out[-3000:]
     _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
@@ -139,12 +144,14 @@ KILLED_SAVES = [
 def test_rank_killed_during_a_save_resumes_the_previous_checkpoint(
     uninterrupted, tmp_path, mode, async_checkpoint
 ):
-    """The saving rank (rank 0) SIGKILLs itself partway through checkpoint 4 (``KILL_IN_SAVE``, the
-    test-only hook: its model/ or sharded/ written, the folder still .tmp). torchrun restarts; the
-    restarted job must skip step_000004.tmp, resume step 2 and end equal to the uninterrupted run.
-    Planted: newest_whole_checkpoint returning the newest folder unchecked -> the restart tries
+    """Rank 2 SIGKILLs itself partway through checkpoint 4 (``KILL_IN_SAVE=4:2``, the test-only hook:
+    under FSDP after writing its shards, its export not yet written; with replicated weights, where
+    rank 0 alone writes, once rank 0 has begun step_000004.tmp). Rank 0 is held at its own kill
+    point until torchrun stops it, so the save cannot win the race and commit. torchrun restarts;
+    the restarted job must skip step_000004.tmp, resume step 2 and end equal to the uninterrupted
+    run. Planted: newest_whole_checkpoint returning the newest folder unchecked -> the restart tries
     step_000004.tmp and the job fails."""
-    env = {KILL_IN_SAVE: "4"}
+    env = {KILL_IN_SAVE: f"4:{VICTIM}"}
     killed = _torchrun(
         tmp_path, mode, [f"train.async_checkpoint={async_checkpoint}"], max_restarts=1, env=env
     )

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from data.cli import RunStopped
-from dit.checkpoint import resolve_checkpoint
+from dit.checkpoint import kill_point_for_tests, resolve_checkpoint
 from dit.clips import micro_batch_loss
 from dit.config import Config
 from dit.optim import optimizer_class, optimizer_kwargs
@@ -161,6 +161,8 @@ class DistributedTrainer(Trainer):
         try:
             # Replicas are identical (and the moments gathered), so rank 0's state is everyone's.
             if not self.is_main:
+                # test-only, off by default: a rank that writes nothing dies while rank 0 writes
+                kill_point_for_tests(self.step, self.out / "checkpoints" / f"step_{self.step:06d}.tmp")
                 return None
             step_dir = super().save()  # with the learner's state (checkpoint_extras)
             self.learner.save(self.out, self.step)

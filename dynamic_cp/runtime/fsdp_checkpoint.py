@@ -20,6 +20,7 @@ its plain AdamW state dict (parameter order = ``model.parameters()``), each rank
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -82,8 +83,7 @@ def save_fsdp_checkpoint(
     with stop_on_full_disk(tmp, lambda: _checkpoint_bytes(sharded, model, ema)):
         # DCP gathers every rank's write result: a full disk on any rank fails the save on all
         dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=world)
-    if is_main:
-        kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
+    kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
     full, ema_full = _full_weights(model, ema, is_main)
     error = None
     if is_main:
@@ -107,6 +107,25 @@ def _full_weights(model, ema: ShardedEMA | None, is_main: bool):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     ema_full = ema.full_state_dict(is_main) if ema is not None else None
     return full, ema_full
+
+
+def _full_shapes(state: dict | None) -> dict[str, tuple[torch.Size, torch.dtype]] | None:
+    """{name: (global shape, dtype)} of a (sharded) state dict: what ``_read_full`` allocates."""
+    if state is None:
+        return None
+    return {k: (t.shape, t.dtype) for k, t in state.items()}  # a DTensor's shape is the global one
+
+
+def _read_full(sharded_dir: Path, model_shapes: dict, ema_shapes: dict | None):
+    """Rank 0, no collective: the full weights (and EMA) read back from a finished DCP folder, every
+    rank's shards joined (the same bytes a gather returns)."""
+    state = {"model": {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in model_shapes.items()}}
+    if ema_shapes is not None:
+        state["ema"] = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in ema_shapes.items()}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=sharded_dir, no_dist=True)
+    return state["model"], state.get("ema")
 
 
 def _write_export(tmp: Path, step: int, model, full, ema_full, trainer_state: dict, config: dict) -> None:
@@ -135,18 +154,19 @@ class AsyncFSDPCheckpointer:
     """``train.async_checkpoint`` under FSDP: DCP's ``async_save``.
 
     At the save every rank stages its shards (model, optimizer, EMA) into CPU memory (DCP's
-    ``DefaultStager``, synchronous: copied when ``async_save`` returns) and rank 0 gathers the full
-    weights for the export (the same collective as a sync save, also a fresh CPU copy). DCP then
-    writes the shards from a thread; its collectives (plan, metadata) run on a gloo group of their
-    own, so they never interleave with training's. On rank 0 a second thread waits for DCP's future
-    (its ``.metadata`` is written after every rank's shards), writes the export, trainer.pt and the
-    config into ``step_X.tmp`` and renames it: a crash before that leaves the previous checkpoint
-    whole and a ``.tmp`` that resume skips.
+    ``DefaultStager``, synchronous: copied when ``async_save`` returns); nothing else is moved while
+    training waits. DCP then writes the shards from a thread; its collectives (plan, metadata) run on
+    a gloo group of their own, so they never interleave with training's. On rank 0 a second thread
+    waits for DCP's future (its ``.metadata`` is written after every rank's shards), reads the full
+    weights and EMA back from those files (no collective: the gather a sync save makes would stall
+    training), writes the export, trainer.pt and the config into ``step_X.tmp`` and renames it: a
+    crash before that leaves the previous checkpoint whole and a ``.tmp`` that resume skips.
 
     One save in flight: the next save and the end of the run wait for it. Failures: at every step
     while a save is pending, ``check`` all-reduces (failed here, not done here) over the world, so
     every rank learns of a failure on any rank (a full disk, rank 0's export) at the same step and
-    stops with one line. Host memory: a CPU copy of this rank's shards, plus the full weights on rank 0.
+    stops with one line. Host memory: a CPU copy of this rank's shards until DCP has written them;
+    rank 0 also holds the full weights and EMA while it writes the export.
     """
 
     def __init__(self, world: dist.ProcessGroup, device: torch.device):
@@ -173,7 +193,10 @@ class AsyncFSDPCheckpointer:
         sharded = _sharded_state(model, optimizer, ema)
         self._needed = _checkpoint_bytes(sharded, model, ema)
         future = dcp.async_save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
-        full, ema_full = _full_weights(model, ema, self.is_main)  # staged: training may go on now
+        # staged: training may go on now. The export's full weights are read back from the written
+        # shards by rank 0's thread, not gathered here: a gather would stall training for as long
+        # as moving the weights and EMA over the network takes
+        full, ema_full = _full_shapes(sharded.get("model")), _full_shapes(sharded.get("ema"))
         self._step, self._tmp, self._error = step, tmp, None
         self._done.clear()
         self._thread = threading.Thread(
@@ -187,8 +210,9 @@ class AsyncFSDPCheckpointer:
     def _finish(self, future, root, step, tmp, model, full, ema_full, state, config, keep) -> None:
         try:
             future.result()
+            kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
             if self.is_main:
-                kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
+                full, ema_full = _read_full(tmp / SHARDED, full, ema_full)
                 _write_export(tmp, step, model, full, ema_full, state, config)
                 commit_checkpoint(root, step, keep)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
