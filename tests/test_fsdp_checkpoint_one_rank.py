@@ -8,6 +8,7 @@ saved without EMA works. Resharding across world sizes is in tests/test_fsdp.py 
 # ruff: noqa: F811 (tests take the imported `world` fixture as an argument)
 from __future__ import annotations
 
+import pytest
 import torch
 from test_fsdp_one_rank import (
     CPU,
@@ -20,7 +21,11 @@ from test_fsdp_one_rank import (
 from dit.checkpoint import save_checkpoint
 from dit.model import VideoDiT
 from dynamic_cp.runtime import fsdp
-from dynamic_cp.runtime.fsdp_checkpoint import load_fsdp_checkpoint, save_fsdp_checkpoint
+from dynamic_cp.runtime.fsdp_checkpoint import (
+    AsyncFSDPCheckpointer,
+    load_fsdp_checkpoint,
+    save_fsdp_checkpoint,
+)
 
 STATE = {"lr_schedule": {"last_epoch": 3}, "bad_steps": 1}
 
@@ -128,3 +133,46 @@ def test_resume_from_a_replicated_checkpoint(world, tmp_path):
     model3, optimizer3, ema3 = _fresh(world)
     load_fsdp_checkpoint(step_dir, model3, optimizer3, ema3)
     _assert_same({n: _full(t) for n, t in ema3.params.items()}, {n: p.detach() for n, p in params.items()})
+
+
+def _exported(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize(
+    "dtype, with_ema", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)]
+)
+def test_async_save_exports_the_weights_it_read_back_from_the_shards(world, tmp_path, dtype, with_ema):
+    """``train.async_checkpoint`` under FSDP: rank 0's writer thread reads the full weights (and the
+    EMA) back from the finished DCP shards for the diffusers exports, instead of gathering them while
+    training waits. Those exports must hold the saved step's weights bitwise, in the run's dtype (a
+    bf16 run exports bf16), with ema/ only when there is an EMA, and the checkpoint must resume. Planted:
+    the read-back buffers in the default dtype, the EMA left out or the model's shapes lost (None), the
+    DCP folder not passed to the read: each fails."""
+    torch.manual_seed(0)
+    model = fsdp.apply_fsdp(_model().to(dtype), world, CPU, "no")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema = fsdp.ShardedEMA(model, decay=0.5) if with_ema else None
+    if dtype == torch.float32:  # a step, so the weights, moments and EMA differ (the tiny model's
+        _loss(model).backward()  # loss takes fp32 inputs: the bf16 case saves its initial weights)
+        optimizer.step()
+        if ema is not None:
+            ema.update(model)
+    weights = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    saver = AsyncFSDPCheckpointer(world, CPU)
+    saver.save(tmp_path, 5, model, optimizer, ema, STATE, {}, 2)
+    saver.wait()  # raises RunStopped if the background save failed
+    step_dir = tmp_path / "step_000005"
+    assert (tmp_path / "latest").read_text().strip() == "step_000005"
+    exported = _exported(step_dir / "model")  # the files as written (from_pretrained would upcast some)
+    for n, w in weights.items():
+        assert exported[n].dtype == dtype and torch.equal(exported[n], w), n
+    assert (step_dir / "ema").exists() == with_ema
+    if with_ema:
+        exported_ema = _exported(step_dir / "ema")
+        for n, t in ema.params.items():
+            assert exported_ema[n].dtype == dtype and torch.equal(exported_ema[n], _full(t)), n
+    model2, optimizer2, ema2 = _fresh(world)
+    assert load_fsdp_checkpoint(step_dir, model2, optimizer2, ema2)["step"] == 5
