@@ -192,6 +192,11 @@ def run_fsdp(out: Path, steps: int, async_save: bool, every: int) -> dict:
     }
 
 
+def _row(label: str, seconds: list[float], width: int) -> None:
+    """One line of the report: the label, the median, then every save's seconds."""
+    print(f"{label:{width}s}{statistics.median(seconds):9.3f}   {', '.join(f'{x:.3f}' for x in seconds)}")
+
+
 def main_fsdp(steps: int, every: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sync = run_fsdp(Path(tmp) / "sync", steps, False, every)
@@ -201,9 +206,8 @@ def main_fsdp(steps: int, every: int) -> None:
           f"2 gloo ranks; {steps} steps, a checkpoint every {every}")  # fmt: skip
     print(f"{'':34s}{'median s':>9s}   per save (s, the slower rank)")
     for name, r in (("sync dcp.save: a save stalls", sync), ("async_save: a save stalls", asyn)):
-        print(f"{name:34s}{statistics.median(r['stall']):9.3f}   {', '.join(f'{x:.3f}' for x in r['stall'])}")
-    print(f"{'  async, of which in save()':34s}{statistics.median(asyn['in_save']):9.3f}   "
-          f"{', '.join(f'{x:.3f}' for x in asyn['in_save'])}")  # fmt: skip
+        _row(name, r["stall"], 34)
+    _row("  async, of which in save()", asyn["in_save"], 34)
     print(f"{'a step (forward, backward, AdamW)':34s}{statistics.median(sync['step']):9.3f}")
     ratio = statistics.median(sync["stall"]) / max(statistics.median(asyn["stall"]), 1e-9)
     print(f"async stalls training {ratio:.1f}x less than sync; its last write took {asyn['end']:.3f} s more "
@@ -242,10 +246,9 @@ def main() -> None:
           f"{args.steps} steps, a checkpoint every {args.every}")  # fmt: skip
     print(f"{'':30s}{'median s':>9s}   per save (s)")
     for name, r in (("sync: a save stalls training", sync), ("async: a save stalls training", asyn)):
-        print(f"{name:30s}{statistics.median(r['stall']):9.3f}   {', '.join(f'{x:.3f}' for x in r['stall'])}")
+        _row(name, r["stall"], 30)
     for name in ("in_save", "in_wait_staged"):
-        print(f"{'  async, of which ' + name:30s}{statistics.median(asyn[name]):9.3f}   "
-              f"{', '.join(f'{x:.3f}' for x in asyn[name])}")  # fmt: skip
+        _row("  async, of which " + name, asyn[name], 30)
     print(f"{'a step (forward, backward, AdamW)':30s}{statistics.median(sync['step']):9.3f}")
     ratio = statistics.median(sync["stall"]) / max(statistics.median(asyn["stall"]), 1e-9)
     print(f"async stalls training {ratio:.1f}x less than sync; its last write took {asyn['end']:.3f} s more "
