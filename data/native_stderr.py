@@ -6,8 +6,19 @@ level). The exception already carries that reason, and ``data/failures.py`` repo
 once, so the C++ line is noise that doubles every report.
 
 While decord runs, fd 2 points at a pipe. A thread forwards everything else from the pipe to the real
-stderr as it arrives (progress bars and other threads' warnings keep flowing) and drops only lines in
-dmlc's format. Windows from several threads nest: the pipe stays until the last one ends.
+stderr as it arrives (progress bars and other threads' warnings keep flowing) and drops only dmlc's
+lines. Windows from several threads nest: the pipe stays until the last one ends.
+
+dmlc's stream is unit-buffered: one line reaches fd 2 as a dozen writes ("[", "19:13:03", "] ", the
+source file, ":", "83", ": ", the message in pieces, "\n"), and two threads' lines interleave write by
+write with each other and with Python's own writes (seen in CI: two corrupt files probed at once). A
+byte stream cannot be untangled, so on Linux the pipe is in packet mode (O_DIRECT): each read returns
+one write. Python writes whole lines (stderr is line-buffered) or tqdm's "\r<bar>"; dmlc's pieces
+have no newline but their last. So: a "[" piece opens a native line, a lone "\n" closes one, and
+while any is open every piece without a newline that is not a progress bar is dropped. logging,
+warnings and tqdm write whole; ``print(..., file=sys.stderr)`` writes its text and its newline apart,
+so another thread's print in the microseconds a native line is open would be cut: report through
+logging where decord may run at the same time.
 """
 
 from __future__ import annotations
@@ -17,12 +28,29 @@ import re
 import sys
 import threading
 
-# dmlc's format: "[hh:mm:ss] <source file>:<line>: <message>\n". It may follow a progress bar's
-# unfinished line ("probing videos: 0%| [00:00<?]"), so it is cut out wherever it starts. The C++
-# stream writes it in pieces, so another thread's "\r<progress bar>" can land between its "[" and
-# the rest (seen in a full-suite run): the "[" is optional.
+# dmlc's line as one piece, or a whole chunk where pipes have no packet mode (not Linux); the "["
+# is optional for a chunk that began after it
 NATIVE_LOG_LINE = re.compile(rb"\[?\d\d:\d\d:\d\d\] \S+\.(?:cc|cpp|h):\d+: [^\n]*\n?")
-NATIVE_LOG_START = re.compile(rb"\[|\d\d:\d\d:\d\d\] ")
+# the first piece of a dmlc line: "[", or "[" and the time where the stream joins them
+NATIVE_LOG_OPEN = re.compile(rb"\[(?:\d\d:\d\d:\d\d(?:\] )?)?")
+
+
+class NativeLogDropper:
+    """Feed it the pipe's writes one at a time (packet mode); it returns what stderr should get."""
+
+    def __init__(self) -> None:
+        self.open = 0  # native lines begun and not yet ended
+
+    def feed(self, piece: bytes) -> bytes:
+        if piece == b"\n" and self.open:
+            self.open -= 1
+            return b""
+        if NATIVE_LOG_OPEN.fullmatch(piece):
+            self.open += 1
+            return b""
+        if self.open and b"\n" not in piece and not piece.startswith(b"\r"):
+            return b""  # a piece of an open native line
+        return NATIVE_LOG_LINE.sub(b"", piece)  # Python's writes, and native lines written at once
 
 
 def _flush() -> None:
@@ -66,7 +94,7 @@ class NativeStderrFilter:
     def _start(self) -> None:
         _flush()
         self._saved = os.dup(2)
-        read_end, write_end = os.pipe()
+        read_end, write_end = _packet_pipe()
         os.dup2(write_end, 2)
         os.close(write_end)  # fd 2 is now the only write end: restoring it ends the forwarder
         self._thread = threading.Thread(
@@ -83,23 +111,20 @@ class NativeStderrFilter:
         self._thread.join(timeout=2.0)
 
 
+def _packet_pipe() -> tuple[int, int]:
+    try:  # Linux: each read returns one write (up to PIPE_BUF bytes; longer writes come in pieces)
+        return os.pipe2(os.O_DIRECT)
+    except (AttributeError, OSError):  # elsewhere a read returns what has piled up
+        return os.pipe()
+
+
 def _forward(read_end: int, out: int) -> None:
-    pending = b""
+    dropper = NativeLogDropper()
     try:
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(65536):
-                *lines, pending = re.split(rb"(?<=[\n\r])", pending + chunk)
-                kept = b"".join(NATIVE_LOG_LINE.sub(b"", line) for line in lines)
-                # an unfinished line passes on now, up to what may start a dmlc line
-                starts = [m.start() for m in NATIVE_LOG_START.finditer(pending)]
-                cut = starts[-1] if starts else len(pending)
-                if pending[cut - 1 : cut] == b"[":  # the timestamp's own bracket
-                    cut -= 1
-                kept, pending = kept + pending[:cut], pending[cut:]
-                if kept:
+            while piece := pipe.read(65536):  # larger than a packet: a read never cuts one
+                if kept := dropper.feed(piece):
                     os.write(out, kept)
-        if pending:
-            os.write(out, NATIVE_LOG_LINE.sub(b"", pending))
     finally:
         os.close(out)
 
