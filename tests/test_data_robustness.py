@@ -178,7 +178,13 @@ def test_real_decord_failures_in_threads_leave_no_native_line(tmp_path, capfd):
 def _dmlc_pieces(path: str) -> list[bytes]:
     """decord's "ERROR opening" line as its C++ stream writes it: one write per piece (captured)."""
     head = [b"[", b"18:57:08", b"] ", b"/github/workspace/src/video/video_reader.cc", b":", b"83", b": "]
-    return head + [b"ERROR opening: ", path.encode(), b", ", b"Invalid data found when processing input", b"\n"]
+    return head + [
+        b"ERROR opening: ",
+        path.encode(),
+        b", ",
+        b"Invalid data found when processing input",
+        b"\n",
+    ]
 
 
 def test_native_lines_interleaved_write_by_write_are_dropped(capfd):
@@ -194,4 +200,6 @@ def test_native_lines_interleaved_write_by_write_are_dropped(capfd):
             os.write(2, piece)
     os.write(2, b"after\n")
     err = capfd.readouterr().err
-    assert err == "data: skipping /v/garbage.webm: not_a_video_or_corrupt\n\rprobing videos:  17%| 1/6after\n", err
+    assert (
+        err == "data: skipping /v/garbage.webm: not_a_video_or_corrupt\n\rprobing videos:  17%| 1/6after\n"
+    ), err
