@@ -103,6 +103,8 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sampling_guidance.py",
         "tests/test_sampling_wan22_steps.py",
     ],
+    "dynamic_cp/planning/sampling_planner.py": ["tests/test_sampling_planner.py"],
+    "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [
         "tests/test_config_validation.py",
         "tests/test_config.py",

@@ -78,12 +78,11 @@ class NativeStderrFilter:
             os.close(self._saved)
         self._reset()
 
-    def __enter__(self) -> NativeStderrFilter:
+    def __enter__(self) -> None:
         with self._lock:
             if self._depth == 0:
                 self._start()
             self._depth += 1
-        return self
 
     def __exit__(self, *exc) -> None:
         with self._lock:

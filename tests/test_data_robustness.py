@@ -190,7 +190,7 @@ def _dmlc_pieces(path: str) -> list[bytes]:
 def test_native_lines_interleaved_write_by_write_are_dropped(capfd):
     """Seen in CI: two threads opened corrupt files at once, and their lines, the main thread's report
     and a progress bar reached fd 2 interleaved write by write. Replayed here in that order."""
-    from data.native_stderr import QUIET_NATIVE_STDERR
+    from data.native_stderr import QUIET_NATIVE_STDERR, NativeLogDropper
 
     a, b = _dmlc_pieces("/v/notes.mp4"), _dmlc_pieces("/v/garbage.webm")
     ours = [b"data: skipping /v/garbage.webm: not_a_video_or_corrupt\n", b"\rprobing videos:  17%| 1/6"]
@@ -198,8 +198,29 @@ def test_native_lines_interleaved_write_by_write_are_dropped(capfd):
     with QUIET_NATIVE_STDERR:
         for piece in order:
             os.write(2, piece)
+        os.write(2, b"[ours]")  # both native lines ended: a piece without a newline passes again
     os.write(2, b"after\n")
     err = capfd.readouterr().err
+    report = "data: skipping /v/garbage.webm: not_a_video_or_corrupt\n"
+    assert err == report + "\rprobing videos:  17%| 1/6[ours]after\n", err
+    dropper = NativeLogDropper()  # the same pieces fed by hand: it returns bytes for every one
     assert (
-        err == "data: skipping /v/garbage.webm: not_a_video_or_corrupt\n\rprobing videos:  17%| 1/6after\n"
-    ), err
+        b"".join(dropper.feed(p) for p in order + [b"[ours]"])
+        == (report + "\rprobing videos:  17%| 1/6[ours]").encode()
+    )
+
+
+def test_a_process_forked_inside_a_native_stderr_window_writes_to_the_real_stderr():
+    """A DataLoader worker forked while decord runs in another thread must not keep writing into the
+    parent's pipe (filtered, and alive after the window ends): its fd 2 is the real stderr again.
+    Planted: the child's fd 2 left on the pipe -> fails."""
+    from data.native_stderr import QUIET_NATIVE_STDERR
+
+    real = os.fstat(2)
+    with QUIET_NATIVE_STDERR:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only when fd 2 is the file it was before the window
+            now = os.fstat(2)
+            os._exit(0 if (now.st_dev, now.st_ino) == (real.st_dev, real.st_ino) else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
