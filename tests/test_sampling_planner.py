@@ -346,3 +346,84 @@ def test_more_requests_descend_one_option_at_a_time():
     _check_plan(plan, jobs)
     assert plan.makespan < 0.9 * _greedy_makespan(jobs, 8)
     assert min(_makespans_one_option_away(jobs, plan, 8)) >= plan.makespan
+
+
+def test_options_are_every_cp_size_and_cfg_split_the_ranks_allow_cheapest_first():
+    """A guided request on 8 ranks: CP 1, 2, 4, 8 with both branches packed, and CFG-parallel at CP
+    1, 2, 4 (two disjoint groups; CP 8 has no second group). Each option's rank count is what its
+    placement holds, and they come cheapest in rank-seconds first. Planted: CFG-parallel never
+    offered, offered where one group fills the world, a wrong rank count, the wrong sort key -> each
+    fails."""
+    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
+    from dynamic_cp.planning.sampling_planner import job_options, list_schedule
+
+    job = SamplingJob(T480, 50, True)
+    options = job_options(WAN14, job, 8, normalize_cp_sizes(8), None, True)
+    assert sorted((o.cp, o.cfg_parallel) for o in options) == [
+        (1, False), (1, True), (2, False), (2, True), (4, False), (4, True), (8, False),
+    ]  # fmt: skip
+    for o in options:
+        (placed,) = list_schedule(WAN14, [job], [o], 8)
+        assert o.num_ranks == len(placed.all_ranks) == o.cp * (1 + o.cfg_parallel)
+    cost = [o.seconds * len(list_schedule(WAN14, [job], [o], 8)[0].all_ranks) for o in options]
+    assert cost == sorted(cost)
+    assert [o.cfg_parallel for o in job_options(WAN14, job, 8, [1, 2], None, False)] == [False, False]
+
+
+def test_cfg_parallel_pairs_are_adjacent_blocks_and_all_are_used():
+    """Four guided requests, CFG-parallel on single ranks, on 8 ranks: pairs (0,1) (2,3) (4,5) (6,7)
+    all start at once. Planted: pairs stepped by 3 (three pairs, one straddling) -> fails."""
+    from dynamic_cp.planning.sampling_planner import Option, list_schedule
+
+    jobs = [SamplingJob(1000, 1, True) for _ in range(4)]
+    placements = list_schedule(WAN14, jobs, [Option(1, True, 5.0)] * 4, 8)
+    assert sorted((p.ranks + p.cfg_ranks, p.start) for p in placements) == [
+        ((0, 1), 0.0), ((2, 3), 0.0), ((4, 5), 0.0), ((6, 7), 0.0),
+    ]  # fmt: skip
+
+
+def test_the_memory_cap_counts_both_packed_branches_and_admits_exactly_full_ranks():
+    """One rank holding exactly n tokens: an unguided request of n tokens fits (n per rank is not
+    over the cap); a guided one packs its two branches (2n) and cannot split them on one rank, so it
+    fits nowhere. Planted: the cap's comparison at its boundary, the branches' max for their sum ->
+    each fails."""
+    n = 4096
+    assert plan_sampling([SamplingJob(n, 1, False)], 1, WAN14, token_cap=n).placements
+    with pytest.raises(ValueError, match="8,192 tokens per rank even on one rank, over the 4,096"):
+        plan_sampling([SamplingJob(n, 1, True)], 1, WAN14, token_cap=n)
+
+
+def test_token_cap_by_hand():
+    """d = 64, ffn = 256: a token's working set is (16 d + 2 ffn) bf16 values = 3,072 bytes. With
+    the weights plus exactly 1,000 such tokens (and 3,000 bytes more) free, the cap is 1,000; with
+    exactly one token's worth it is 1 (no error). Replicated weights are every parameter in bf16;
+    sharded over 2, half of them plus two gathered blocks. Planted: any of the working set's terms
+    changed, the boundary of the 'does not fit' check, the default shards, sharding from 3 ranks on,
+    the sharded error's advice -> each fails."""
+    from dynamic_cp.planning.sampling_planner import weight_bytes
+
+    dims = ModelDims(d=64, layers=8, ffn=256, heads=4)
+    weights = 2 * dims.num_params
+    assert weight_bytes(dims) == weights
+    assert weight_bytes(dims, 2) == weights / 2 + 2 * weights / 8
+    assert sampling_token_cap(dims, weights + 1000 * 3072 + 3000, memory_fraction=1.0) == 1000
+    assert sampling_token_cap(dims, weights + 3072, memory_fraction=1.0) == 1
+    with pytest.raises(ValueError, match="shard them with --fsdp per_layer"):
+        sampling_token_cap(dims, weights + 3071, memory_fraction=1.0)
+    with pytest.raises(ValueError, match="sharded over 2.*sample on more ranks or larger GPUs"):
+        sampling_token_cap(dims, weight_bytes(dims, 2) + 3071, memory_fraction=1.0, shards=2)
+
+
+def test_a_plan_tells_each_rank_its_placements_and_the_clip_owner():
+    """``for_rank`` is every placement a rank takes part in, in plan order; the owner (who decodes and
+    writes the clip) is the first rank of the conditional branch's group; a hand-built plan has no
+    info. Planted: for_rank inverted or empty, the owner lost -> each fails."""
+    from dynamic_cp.planning.sampling_planner import Placement, SamplingPlan
+
+    a = Placement(0, (0, 1), None, (2, 1), 0.0, 4.0)
+    b = Placement(1, (2,), (3,), (1, 1), 0.0, 3.0)
+    c = Placement(2, (1, 2), None, (2, 1), 4.0, 6.0)
+    plan = SamplingPlan(4, [a, b, c])
+    assert [plan.for_rank(r) for r in range(4)] == [[a], [a, c], [b, c], [b]]
+    assert (a.owner, b.owner, c.owner) == (0, 2, 1)
+    assert plan.info == {} and plan.makespan == 6.0
