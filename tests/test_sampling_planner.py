@@ -427,3 +427,116 @@ def test_a_plan_tells_each_rank_its_placements_and_the_clip_owner():
     assert [plan.for_rank(r) for r in range(4)] == [[a], [a, c], [b, c], [b]]
     assert (a.owner, b.owner, c.owner) == (0, 2, 1)
     assert plan.info == {} and plan.makespan == 6.0
+
+
+def test_lockstep_forwards_wait_only_for_the_requests_still_running_and_the_longest_decode():
+    """By hand, 3 ranks: request 0 (1 step of 5 s, rank 0), request 1 (2 steps of 1 s, rank 1,
+    decoded for 2 s), request 2 (3 steps of 1 s, rank 2); request 0's clip decodes for 4 s. Forward 0
+    takes 5 s (the slowest running); request 0 then decodes (4 s: the round waits); forward 1 takes
+    1 s, not request 0's 5 s; after it request 1 decodes for 2 s; forward 2 takes 1 s. Two decodes
+    ending together would wait for the longer. Planted: a forward priced with the requests that ended
+    at it, the shorter decode waited for -> each fails."""
+    from dynamic_cp.planning.fsdp_cost import WeightTraffic
+    from dynamic_cp.planning.sampling_planner import Placement, lockstep
+
+    jobs = [SamplingJob(10, 1, False), SamplingJob(10, 2, False), SamplingJob(10, 3, False)]
+    placements = [Placement(0, (0,), None, (1, 1), 0.0, 5.0, 4.0), Placement(1, (1,), None, (1, 1), 0.0, 2.0, 2.0),
+                  Placement(2, (2,), None, (1, 1), 0.0, 3.0)]  # fmt: skip
+    out, rounds, forwards = lockstep(WAN14, jobs, placements, 3)
+    traffic = WeightTraffic.of(WAN14, 3)
+    assert traffic.gather_s < 1  # the gathers hide behind compute here
+    per = traffic.gather_s / traffic.layers
+    assert rounds == [[0, 1, 2]] and forwards == [3]
+    assert out[0].end == pytest.approx(5 + per)
+    assert out[1].end == pytest.approx(5 + per + 4 + 1 + per)
+    assert out[2].end == pytest.approx(5 + per + 4 + 1 + per + 2 + 1 + per)
+    # both of the first two end at forward 0: the round waits for the longer decode (4 s)
+    same = [Placement(0, (0,), None, (1, 1), 0.0, 1.0, 4.0), Placement(1, (1,), None, (1, 1), 0.0, 1.0, 2.0),
+            Placement(2, (2,), None, (1, 1), 0.0, 2.0)]  # fmt: skip
+    jobs = [SamplingJob(10, 1, False), SamplingJob(10, 1, False), SamplingJob(10, 2, False)]
+    out, _, _ = lockstep(WAN14, jobs, same, 3)
+    assert out[2].end == pytest.approx(1 + per + 4 + 1 + per)
+
+
+def test_longest_first_counts_the_decode():
+    """By hand, 2 ranks, 1 s of decode per 1,000 pixels: A (10 s), B (6 s + a 5 s decode), C (6 s).
+    Longest first with the decode: B, A, then C after A: makespan 16 s. Without the decode (A, C, B):
+    17 s. Planted: the decode subtracted in the order -> fails."""
+    from dynamic_cp.planning.sampling_planner import Option, moldable_schedule
+
+    cost = _with_decode(WAN14, 1e-3)
+    jobs = [SamplingJob(10, 1, False), SamplingJob(10, 1, False, pixels=5000), SamplingJob(10, 1, False)]
+    options = [[Option(1, False, 10.0)], [Option(1, False, 6.0)], [Option(1, False, 6.0)]]
+    assert max(p.done for p in moldable_schedule(cost, jobs, options, 2, 0.0)) == 16.0
+
+
+def test_the_moldable_charge_trades_finishing_soon_for_rank_seconds():
+    """One request on 2 ranks: 10 s on one rank or 7 s on both. Weight 0 takes the earliest finish
+    (both ranks, 7 s); weight 4 charges 4 x rank-seconds / world (10 + 20 = 30 against 7 + 28 = 35)
+    and takes one rank. On ties the lowest ranks win, and a hand-made option without a layout gets
+    the cost model's. Planted: each sign or product of the score, the tie broken the other way, the
+    layout dropped -> each fails."""
+    from dynamic_cp.planning.sampling_planner import Option, moldable_schedule
+
+    jobs = [SamplingJob(1000, 1, False)]
+    options = [[Option(1, False, 10.0), Option(2, False, 7.0)]]
+    (fast,) = moldable_schedule(WAN14, jobs, options, 2, 0.0)
+    (thrifty,) = moldable_schedule(WAN14, jobs, options, 2, 4.0)
+    assert (fast.ranks, fast.end, thrifty.ranks, thrifty.end) == ((0, 1), 7.0, (0,), 10.0)
+    (alone,) = moldable_schedule(WAN14, jobs, [[Option(1, False, 5.0)]], 4, 0.0)
+    assert alone.ranks == (0,) and alone.layout == WAN14.layout([1000], 1) == (1, 1)
+
+
+def test_an_empty_queue_is_an_empty_plan():
+    plan = plan_sampling([], 4, WAN14, CAP)
+    assert plan.placements == [] and plan.makespan == 0.0 and plan.latencies() == []
+
+
+def test_the_fits_nowhere_message_gives_the_tokens_per_rank_on_the_whole_world():
+    """950,400 tokens a branch, both packed, over all 8 ranks: 237,600 per rank. Planted: divided by
+    the smallest CP size, or multiplied -> fails."""
+    with pytest.raises(
+        ValueError, match=r"950,400 tokens a branch need 237,600 tokens per rank even on all 8 ranks"
+    ):
+        plan_sampling([SamplingJob(950_400, 10, True)], 8, WAN14, sampling_token_cap(WAN14.dims, 40e9))
+
+
+def test_four_guided_requests_on_8_ranks_are_searched_exhaustively():
+    """7^4 = 2,401 combinations, the search's limit: the planner returns their best (351 s), which
+    the descent alone misses (377 s). Planted: the limit exclusive -> fails."""
+    import itertools
+
+    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
+    from dynamic_cp.planning.sampling_planner import EXHAUSTIVE_COMBINATIONS, job_options, list_schedule
+
+    jobs = [_wan_job(65, 720), _wan_job(65, 480), _wan_job(81, 720), _wan_job(33, 720)]
+    options = [job_options(WAN14, j, 8, normalize_cp_sizes(8), CAP, True) for j in jobs]
+    assert [len(o) for o in options] == [7] * 4 and 7**4 == EXHAUSTIVE_COMBINATIONS
+    every = [max(p.done for p in list_schedule(WAN14, jobs, list(c), 8)) for c in itertools.product(*options)]
+    assert plan_sampling(jobs, 8, WAN14, CAP).makespan == min(every)
+
+
+def test_sharded_plans_take_the_shortest_in_rounds():
+    """Sharded weights, five mixed requests on 8 ranks: the searches' plans, best when replicated,
+    lose in lockstep rounds to fixed CP 4 + CFG-parallel, and the planner keeps the shortest as
+    rounds. Planted: the longest kept, the candidates compared by name -> each fails."""
+    cap = sampling_token_cap(WAN14.dims, WAN14.hw.memory_bytes, shards=8)
+    jobs = [_wan_job(f, h) for f, h in ((49, 720), (33, 480), (33, 720), (33, 480), (33, 480))]
+    plan = plan_sampling(jobs, 8, WAN14, cap, sharded=True)
+    fixed = plan_sampling(jobs, 8, WAN14, cap, fixed=(4, True), sharded=True)
+    assert plan.info["policy"] == "fixed (4, True), lockstep rounds"
+    assert plan.makespan == fixed.makespan
+    for key in ((1, False), (1, True), (2, False), (2, True), (4, False), (8, False)):
+        assert plan.makespan <= plan_sampling(jobs, 8, WAN14, cap, fixed=key, sharded=True).makespan
+
+
+def test_the_descent_goes_on_while_a_pass_improves():
+    """Seven mixed requests on 8 ranks: one pass of one-option changes ends at 385 s, a second pass
+    finds 377 s. Planted: the descent stopped after its first pass -> fails."""
+    jobs = [
+        _wan_job(f, h)
+        for f, h in ((49, 720), (65, 720), (65, 720), (49, 480), (33, 480), (49, 480), (49, 480))
+    ]
+    plan = plan_sampling(jobs, 8, WAN14, CAP)
+    assert plan.makespan < 381  # one pass: 384.9 s, two: 377.0 s (the cost model's, no noise)
+    assert min(_makespans_one_option_away(jobs, plan, 8)) >= plan.makespan
