@@ -261,3 +261,39 @@ def test_the_folder_listing_calls_missing_what_isfile_calls_missing(tmp_path):
     assert _Listing(str(tmp_path)).missing(paths, check).tolist() == want
     assert want[:8] == [False, False, False, True, True, False, True, True]
     assert _Listing(str(tmp_path)).missing([], []).dtype == np.bool_
+
+
+def test_plan_rows_equals_the_policy_row_by_row_across_chunks(monkeypatch):
+    """plan_rows (one key code for the table, a chunk's distinct rows planned before found by search)
+    against policy.plan on every row, with chunks of 7 rows so that most rows were planned in an
+    earlier chunk, on rows that fit one key and rows too wide for it (the per-chunk fallback). Planted,
+    each caught: the known keys not re-sorted after a chunk adds some; the per-chunk rates instead of
+    the table's in the code (a rate's key then differs between chunks)."""
+    import numpy as np
+
+    from data import manifest_table as mt
+    from data.clip_policy import ClipSkip
+
+    monkeypatch.setattr(mt, "PLAN_CHUNK", 7)
+    rng = np.random.default_rng(1)
+    policy = ClipPolicy(fps=8, max_frames=33, resolution=64, min_frames=5)
+    for top in (200, 2**31 - 1):
+        m = 300
+        table = mt.ManifestTable.from_rows(
+            [Row(f"/nowhere/{k}.mp4", "", VideoInfo(int(rng.integers(1, 60)) if k % 50 else top,
+                                                      int(rng.choice([32, 64, 480])), int(rng.choice([48, 64])),
+                                                      float(rng.choice([8.0, 24.0, 29.97]))))
+             for k in range(m)]
+        )  # fmt: skip
+        rows = rng.permutation(m)[: m - 20]
+        kept, metas, skipped = mt.plan_rows(table, rows, policy)
+        want_kept, want_metas, want_skipped = [], [], []
+        for j in rows.tolist():
+            try:
+                c = policy.plan(table.info(j))
+                want_kept.append(j)
+                want_metas.append((c.num_frames, c.height, c.width))
+            except ClipSkip as e:
+                want_skipped.append((j, e.reason))
+        assert kept.tolist() == want_kept and metas.tolist() == [list(x) for x in want_metas], top
+        assert [(j, e.reason) for j, e in skipped] == want_skipped and want_skipped, top
