@@ -126,7 +126,7 @@ class _Columns:
             values[has_info] = raw[has_info].astype(np.float64)
         except (ValueError, TypeError):
             self._bad_row()
-        self._append(self._paths, values, has_info, self._captioned)
+        self._append(Paths.of(self._paths), values, has_info, self._captioned)
         self._paths, self._meta, self._lines, self._captioned = [], [], [], bytearray()
 
     def _bad_row(self):
@@ -139,12 +139,12 @@ class _Columns:
             info_from(dict(zip(COLUMNS[2:], m)), f"{self.file}:{line}")
         raise AssertionError("a bad row passed info_from")  # pragma: no cover
 
-    def add_columns(self, paths: list[str], values: np.ndarray, has_info: np.ndarray, captioned, first: int):
-        """Rows given as columns (a Parquet batch): ``values`` (m, 4) float64 num_frames, height, width,
-        fps (NaN where ``has_info`` is False); ``first`` the number of the first row, for messages."""
-        for k, p in enumerate(paths):
-            if not p:
-                raise ValueError(f"{self.file}: row {first + k}: empty 'path'")
+    def add_columns(self, paths: Paths, values: np.ndarray, has_info: np.ndarray, captioned, first: int):
+        """Rows given as columns (a Parquet or JSONL batch): ``values`` (m, 4) float64 num_frames, height,
+        width, fps (NaN where ``has_info`` is False); ``first`` the number of the first row, for messages."""
+        empty = np.flatnonzero(paths.ends == paths.starts)
+        if len(empty):
+            raise ValueError(f"{self.file}: row {first + int(empty[0])}: empty 'path'")
         # The rows' metadata as _bad_row reads it, built only when a row is bad: a tuple and a string
         # per row for every batch was 40% of a million-row Parquet manifest's first plan.
         self._pending = (values, has_info, first)
@@ -167,7 +167,7 @@ class _Columns:
         self.ints.frombytes(ints.tobytes())
         self.fps.frombytes(np.ascontiguousarray(values[:, 3]).tobytes())
         # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
-        missing = self.listing.missing(paths, has_info.tolist()).astype(np.uint8)
+        missing = self.listing.missing_in(paths, has_info).astype(np.uint8)
         self.flags.extend((missing | (np.asarray(captioned, dtype=np.uint8) << 1)).tobytes())
 
     def table(self, records) -> ManifestTable:
@@ -184,9 +184,11 @@ class _Listing:
     """Which paths name a regular file (``os.path.isfile``), from one directory listing per folder instead
     of one ``stat`` per row: a million clips in a few thousand folders cost a few thousand ``scandir``
     calls (on a network file system each ``stat`` is a round trip). A folder is held, for one manifest
-    read, as the sorted 64-bit hashes of its files' names: 8 bytes a file. A name the listing lacks is
-    checked with ``os.path.isfile``, so a row is called missing exactly when isfile says so; a hash
-    collision can only let a missing file through, which the load then counts (``missing_file``)."""
+    read, as the sorted 64-bit hashes of its files' names: 8 bytes a file. Paths arrive as UTF-8 bytes
+    (``Paths``) and are split and hashed with numpy, no Python string per row. A name the listing
+    lacks is checked with ``os.path.isfile``, so a row is called missing exactly when isfile says so;
+    a hash collision can only let a missing file through, which the load then counts
+    (``missing_file``)."""
 
     def __init__(self, root: str):
         self.prefix, self.folders = os.path.join(root, ""), {}
@@ -196,30 +198,110 @@ class _Listing:
         if got is None:
             try:
                 with os.scandir(folder or ".") as entries:
-                    got = np.unique(np.fromiter((hash(e.name) for e in entries if e.is_file()), np.int64))
+                    names = [e.name.encode("utf-8", "surrogateescape") for e in entries if e.is_file()]
             except OSError:  # absent or unreadable: every row in it is stat'ed
-                got = np.zeros(0, dtype=np.int64)
+                names = []
+            got = np.unique(_hash_bytes(*Paths.of_bytes(names)))
             self.folders[folder] = got
         return got
 
-    def missing(self, paths: list[str], check: list[bool]) -> np.ndarray:
+    def missing(self, paths: list[str], check) -> np.ndarray:
         """(m,) bool: ``not os.path.isfile(root/p)`` for the paths to ``check``, False for the others."""
-        groups: dict[str, tuple[list, list]] = {}
-        prefix = self.prefix
-        for k, (p, c) in enumerate(zip(paths, check)):
-            if c:
-                full = p if p.startswith("/") else prefix + p
-                folder, _, name = full.rpartition("/")
-                folder = folder or ("/" if full.startswith("/") else "")
-                rows, names = groups.setdefault(folder, ([], []))
-                rows.append(k)
-                names.append(hash(name))
+        return self.missing_in(Paths.of(paths), np.asarray(check, dtype=bool))
+
+    def missing_in(self, paths: Paths, check: np.ndarray) -> np.ndarray:
         out = np.zeros(len(paths), dtype=bool)
-        for folder, (rows, names) in groups.items():
-            out[rows] = ~np.isin(np.array(names, dtype=np.int64), self._names(folder))
+        for start in range(0, len(paths), _Columns.CHUNK):  # bounded transient arrays
+            rows = start + np.flatnonzero(check[start : start + _Columns.CHUNK])
+            if len(rows):
+                out[rows] = self._missing_rows(paths, rows)
         for k in np.flatnonzero(out).tolist():
-            out[k] = not os.path.isfile(os.path.join(self.prefix, paths[k]))
+            out[k] = not os.path.isfile(os.path.join(self.prefix, paths.get(k)))
         return out
+
+    def _missing_rows(self, paths: Paths, rows: np.ndarray) -> np.ndarray:
+        buf, s, e = paths.buf, paths.starts[rows], paths.ends[rows]
+        slashes = np.append(np.flatnonzero(buf == 47), len(buf))  # b"/" (and a sentinel past the end)
+        last = np.searchsorted(slashes, e) - 1  # the last slash before each path's end ...
+        cut = np.where(last >= 0, slashes[np.maximum(last, 0)], -1)
+        cut = np.where(cut >= s, cut, -1)  # ... inside the path, else -1: a name only
+        absolute = (e > s) & (buf[np.minimum(s, len(buf) - 1)] == 47)
+        names = _hash_bytes(buf, np.where(cut >= 0, cut + 1, s), e)
+        # one folder per (bytes before the last slash, absolute or not): rows alike resolve alike
+        folders = _hash_bytes(buf, s, np.where(cut >= 0, cut, s)) ^ absolute.astype(np.uint64)
+        distinct, first, inverse = np.unique(folders, return_index=True, return_inverse=True)
+        order = np.argsort(inverse.reshape(-1), kind="stable")
+        bounds = np.searchsorted(inverse.reshape(-1)[order], np.arange(len(distinct) + 1))
+        out = np.zeros(len(rows), dtype=bool)
+        for u, k in enumerate(first.tolist()):
+            p = paths.get(int(rows[k]))
+            full = p if p.startswith("/") else self.prefix + p
+            folder = full.rpartition("/")[0] or ("/" if full.startswith("/") else "")
+            group = order[bounds[u] : bounds[u + 1]]
+            out[group] = ~np.isin(names[group], self._names(folder))
+        return out
+
+
+class Paths:
+    """Strings as UTF-8 bytes: string k is ``buf[starts[k]:ends[k]]`` (a CSV block's fields, an Arrow
+    string array's buffers, or strings end to end)."""
+
+    def __init__(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+        self.buf, self.starts, self.ends = buf, starts, ends
+
+    @classmethod
+    def of(cls, values: list[str]) -> Paths:
+        buf, offsets = strings(values)
+        return cls(buf, offsets[:-1], offsets[1:])
+
+    @classmethod
+    def of_bytes(cls, values: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in values], out=offsets[1:])
+        return np.frombuffer(b"".join(values), dtype=np.uint8), offsets[:-1], offsets[1:]
+
+    @classmethod
+    def of_arrow(cls, column) -> Paths:
+        """A pyarrow string array (no nulls) without a Python object per string."""
+        _, offsets, data = column.buffers()
+        offsets = np.frombuffer(offsets, dtype=np.int32)[column.offset : column.offset + len(column) + 1]
+        buf = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, dtype=np.uint8)
+        return cls(buf, offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def get(self, k: int) -> str:
+        return self.buf[self.starts[k] : self.ends[k]].tobytes().decode("utf-8", "surrogateescape")
+
+
+_P, _POWERS = np.uint64(0x100000001B3), [np.ones(1, dtype=np.uint64)]
+
+
+def _hash_bytes(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """(n,) uint64 hash of each byte string ``buf[starts[k]:ends[k]]``: a polynomial in the bytes
+    (mod 2**64, numpy wraps), the length mixed in, then splitmix64's finaliser. Only ever compared with
+    itself: a folder listing's names against manifest rows' names."""
+    lengths = (ends - starts).astype(np.int64)
+    out = lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    total = int(lengths.sum())
+    if total:
+        top = int(lengths.max())
+        if len(_POWERS[0]) <= top:  # P**k for k up to the longest string
+            powers = np.full(2 * top + 1, _P)
+            powers[0] = 1
+            _POWERS[0] = np.cumprod(powers, dtype=np.uint64)
+        at = np.cumsum(lengths) - lengths  # each string's first position in the gathered bytes
+        positions = np.arange(total) - np.repeat(at - starts, lengths)  # (total,) positions in buf
+        exponents = np.repeat(at + lengths - 1, lengths) - np.arange(total)
+        terms = buf[positions].astype(np.uint64) * _POWERS[0][exponents]
+        full = lengths > 0
+        out[full] += np.add.reduceat(terms, at[full])
+    out ^= out >> np.uint64(30)
+    out *= np.uint64(0xBF58476D1CE4E5B9)
+    out ^= out >> np.uint64(27)
+    out *= np.uint64(0x94D049BB133111EB)
+    return out ^ (out >> np.uint64(31))
 
 
 class _MemoryRecords:
@@ -424,7 +506,7 @@ def _csv_block(data: bytes, buf, outside, ends, fields, width):
         return (
             None  # an empty path (named by the row-by-row read) or a quoted one (the csv module unquotes it)
         )
-    paths = [data[a:b].decode("utf-8") for a, b in zip(s.tolist(), e.tolist())]
+    paths = Paths(buf, s, e)
     if "text" in fields:
         s, e = field("text")
         captioned = (e > s) & ~((e - s == 2) & (buf[np.minimum(s, len(buf) - 1)] == 34))  # "" is empty
@@ -487,8 +569,8 @@ def _read_parquet(path: str) -> ManifestTable:
             captioned = captioned.to_numpy(zero_copy_only=False)
         else:
             captioned = np.zeros(m, dtype=bool)
-        paths = [p or "" for p in batch.column("path").cast(pa.string()).to_pylist()]
-        columns.add_columns(paths, values, has_info, captioned, first)
+        column = pc.fill_null(batch.column("path").cast(pa.string()), "")
+        columns.add_columns(Paths.of_arrow(column), values, has_info, captioned, first)
         first += m
     return columns.table(records)
 

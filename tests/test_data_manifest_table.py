@@ -242,24 +242,31 @@ def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
 def test_the_folder_listing_calls_missing_what_isfile_calls_missing(tmp_path):
     """_Listing (one scandir per folder) against os.path.isfile, row by row: relative and absolute paths,
     a sub-folder, '..', a folder named like a video, a symlink to a file, a broken symlink, a folder
-    that does not exist, a file at the root. Planted: `if e.is_file()` dropped from the listing (the
-    folder named like a video counts as a file) -> fails."""
+    that does not exist, a file at the root, non-ASCII names, /a.mp4 beside a.mp4. Planted, each
+    caught: `if e.is_file()` dropped from the listing (the folder named like a video counts as a file);
+    a slash of the path before taken as this one's (`cut >= s` dropped); absolute and relative folders
+    of the same bytes mixed (`^ absolute` dropped: /a.mp4 found in the manifest's folder)."""
     import numpy as np
 
     from data.manifest_table import _Listing
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "dir.mp4").mkdir()
-    for name in ("a.mp4", "sub/b.mp4"):
+    for name in ("a.mp4", "sub/b.mp4", "sub/été.mp4"):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "link.mp4").symlink_to(tmp_path / "a.mp4")
     (tmp_path / "broken.mp4").symlink_to(tmp_path / "nowhere.mp4")
     paths = ["a.mp4", "sub/b.mp4", "sub/../a.mp4", "sub/a.mp4", "dir.mp4", "link.mp4", "broken.mp4",
-             "gone/x.mp4", str(tmp_path / "sub" / "b.mp4"), "/etc/hostname", "/no-such-file.mp4", "b.mp4"]  # fmt: skip
+             "gone/x.mp4", str(tmp_path / "sub" / "b.mp4"), "/etc/hostname", "/no-such-file.mp4", "sub/été.mp4", "été.mp4", "sub/ete.mp4", "/a.mp4", "b.mp4"]  # fmt: skip
     check = [True] * (len(paths) - 1) + [False]  # the last row has no metadata: not checked
     want = [not os.path.isfile(os.path.join(tmp_path, p)) for p in paths[:-1]] + [False]
     assert _Listing(str(tmp_path)).missing(paths, check).tolist() == want
-    assert want[:8] == [False, False, False, True, True, False, True, True]
+    assert want[:8] == [False, False, False, True, True, False, True, True] and want[-5:-1] == [
+        False,
+        True,
+        True,
+        True,
+    ]
     assert _Listing(str(tmp_path)).missing([], []).dtype == np.bool_
 
 
