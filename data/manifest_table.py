@@ -426,12 +426,12 @@ def _read_csv_fast(path: str) -> ManifestTable | None:
             if not data:
                 break
             buf = np.frombuffer(data, dtype=np.uint8)
-            outside = np.bitwise_xor.accumulate(buf == 34) == 0  # (b,) not inside quotes
-            newlines = np.flatnonzero((buf == 10) & outside)
+            quotes = np.flatnonzero(buf == 34)  # a byte is inside quotes after an odd number of them
+            newlines = _outside(np.flatnonzero(buf == 10), quotes)
             if block and not len(newlines):
                 rest = data  # one record longer than the block: read more
                 continue
-            if not block and not outside[-1]:
+            if not block and len(quotes) % 2:
                 return None  # a quote left open at the end of the file
             cut = int(newlines[-1]) + 1 if block else len(data)
             ends = (
@@ -439,7 +439,7 @@ def _read_csv_fast(path: str) -> ManifestTable | None:
                 if block or (len(newlines) and newlines[-1] == len(data) - 1)
                 else np.append(newlines, len(data))
             )
-            part = _csv_block(data[:cut], buf[:cut], outside[:cut], ends, fields, width)
+            part = _csv_block(data[:cut], buf[:cut], quotes[quotes < cut], ends, fields, width)
             if part is None:
                 return None
             paths, values, has_info, captioned, starts = part
@@ -452,7 +452,36 @@ def _read_csv_fast(path: str) -> ManifestTable | None:
     return columns.table(records)
 
 
-def _csv_block(data: bytes, buf, outside, ends, fields, width):
+def _outside(positions: np.ndarray, quotes: np.ndarray) -> np.ndarray:
+    """The positions (of bytes that are not quotes) outside quoted fields: an even number of quote
+    characters before them (a doubled quote inside a field counts twice, so it keeps the parity)."""
+    return positions[np.searchsorted(quotes, positions) % 2 == 0]
+
+
+_POW10 = np.array([float(10**k) for k in range(16)])  # exact: int -> float rounds correctly, 10**15 < 2**53
+
+
+def _decimals(chars: np.ndarray, length: np.ndarray) -> np.ndarray | None:
+    """(n, w) uint8 fields (0 past each field's ``length``) of plain decimals (digits and at most one
+    dot, at most 15 digits) -> (n,) float64 equal to ``float(field)``, or None for anything else (signs,
+    exponents, spaces, 'nan': numpy's parse then). Exact: the digits as an integer below 2**53, divided
+    by an exact power of ten, is one correctly rounded division, as float() of the text is."""
+    inside = np.arange(chars.shape[1]) < length[:, None]
+    digit, dot = (chars >= 48) & (chars <= 57), chars == 46
+    num_digits = digit.sum(axis=1)
+    if (inside & ~digit & ~dot).any() or (dot.sum(axis=1) > 1).any() or (num_digits > 15).any():
+        return None
+    if ((num_digits == 0) & (length > 0)).any():
+        return None  # "." alone
+    mantissa = np.zeros(len(chars), dtype=np.int64)
+    for j in range(chars.shape[1]):
+        mantissa = np.where(digit[:, j], mantissa * 10 + (chars[:, j].astype(np.int64) - 48), mantissa)
+    has_dot = dot.any(axis=1)
+    after = np.where(has_dot, length - 1 - dot.argmax(axis=1), 0)  # digits after the dot
+    return mantissa / _POW10[after]
+
+
+def _csv_block(data: bytes, buf, quotes, ends, fields, width):
     """Whole records ``data`` (ends: the position of each record's end) -> (paths, values, has_info,
     captioned, record starts) as _Columns._append takes them, or None (see _read_csv_fast)."""
     try:
@@ -463,7 +492,7 @@ def _csv_block(data: bytes, buf, outside, ends, fields, width):
     ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == 13))  # a \r\n line ending
     keep = ends > starts  # blank lines are skipped, as csv.reader skips them
     starts, ends = starts[keep], ends[keep]
-    commas = np.flatnonzero((buf == 44) & outside)
+    commas = _outside(np.flatnonzero(buf == 44), quotes)
     first = np.searchsorted(commas, starts)
     if not (np.searchsorted(commas, ends) - first == width - 1).all():
         return None  # a short or long row: the csv module's rules
@@ -490,13 +519,16 @@ def _csv_block(data: bytes, buf, outside, ends, fields, width):
         )
         if (gathered == 34).any():
             return None
-        text = np.ascontiguousarray(gathered.astype(np.uint8)).view(f"S{w}").reshape(n)
-        text[length == 0] = b"nan"
         has_info &= length > 0
-        try:
-            values[:, c] = text.astype(np.float64)
-        except ValueError:
-            return None
+        parsed = _decimals(gathered, length)
+        if parsed is None:
+            text = np.ascontiguousarray(gathered.astype(np.uint8)).view(f"S{w}").reshape(n)
+            text[length == 0] = b"nan"
+            try:
+                parsed = text.astype(np.float64)
+            except ValueError:
+                return None
+        values[:, c] = parsed
     values[~has_info] = np.nan
     v = values[has_info]
     if not (np.isfinite(v).all() and (v[:, :3] >= 1).all() and (v[:, 3] > 0).all()):
