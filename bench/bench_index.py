@@ -15,7 +15,7 @@ old = version 1 (every sample a dict in index.json); new = version 2 (columns in
     python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .parquet)
     python bench/bench_index.py --manifest --old-tree /tmp/old      # and the same with another checkout
 
-``--manifest`` does the same from a CSV manifest with metadata (what ``python -m data.scan`` writes)
+``--manifest`` does the same from a CSV manifest, and the same rows as Parquet, with metadata (what ``python -m data.scan`` writes)
 instead of a cache: the rank builds the pixel dataset (the clip policy of a Wan fine-tune: 16 fps, 81
 frames, 256x256 area), plans, and reads its own rows' paths. The rows name 100 empty files (a rank
 checks that each listed file exists; the files are never opened). ``--old-tree`` runs the same rank
@@ -198,8 +198,8 @@ def manifest_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_manifest(tmp, args.samples)
         size = os.path.getsize(path) / 2**20
-        results = {name: run_child(path, args, tree) for name, tree in trees}
-        try:  # the same rows as Parquet (the [parquet] extra), row groups of 64k rows, read by this tree
+        sources = [("csv", path)]
+        try:  # the same rows as Parquet (the [parquet] extra), row groups of 64k rows
             import pyarrow.csv
             import pyarrow.parquet as pq
         except ImportError:
@@ -207,15 +207,20 @@ def manifest_main(args) -> None:
         else:
             parquet = os.path.join(tmp, "manifest.parquet")
             pq.write_table(pyarrow.csv.read_csv(path), parquet, row_group_size=65536)
-            results["new, parquet"] = run_child(parquet, args)
-    print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB); one rank's start-up to its first plan "
-          f"({args.ranks} ranks x {args.clips_per_rank} clips), fresh process per tree")  # fmt: skip
-    print("tree          first plan s  peak RSS MB  RSS over imports MB")
-    for name, r in results.items():
-        print(f"{name:12s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}")
-    if "old" in results:
-        old, new = results["old"], results["new"]
-        print(f"old / new: {old['seconds'] / new['seconds']:.1f}x time, "
+            sources.append(("parquet", parquet))
+        results = {
+            (tree, kind): run_child(source, args, root) for tree, root in trees for kind, source in sources
+        }
+    print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB; as Parquet: row groups of 65,536); one rank's "
+          f"start-up to its first plan ({args.ranks} ranks x {args.clips_per_rank} clips), fresh process each")  # fmt: skip
+    print("tree  manifest  first plan s  peak RSS MB  RSS over imports MB")
+    for (tree, kind), r in results.items():
+        print(
+            f"{tree:4s}  {kind:8s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}"
+        )
+    for kind, _ in sources if args.old_tree else []:
+        old, new = results["old", kind], results["new", kind]
+        print(f"{kind}: old / new: {old['seconds'] / new['seconds']:.1f}x time, "
               f"{(old['rss_mb'] - old['imports_mb']) / (new['rss_mb'] - new['imports_mb']):.1f}x RSS over imports")  # fmt: skip
 
 
