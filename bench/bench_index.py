@@ -12,10 +12,10 @@ with and without what the imports (torch, the project) hold before the index is 
 
 old = version 1 (every sample a dict in index.json); new = version 2 (columns in samples.safetensors).
 
-    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .parquet)
+    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .jsonl, .parquet)
     python bench/bench_index.py --manifest --old-tree /tmp/old      # and the same with another checkout
 
-``--manifest`` does the same from a CSV manifest, and the same rows as Parquet, with metadata (what ``python -m data.scan`` writes)
+``--manifest`` does the same from a CSV manifest, and the same rows as JSONL and Parquet, with metadata (what ``python -m data.scan`` writes)
 instead of a cache: the rank builds the pixel dataset (the clip policy of a Wan fine-tune: 16 fps, 81
 frames, 256x256 area), plans, and reads its own rows' paths. The rows name 100 empty files (a rank
 checks that each listed file exists; the files are never opened). ``--old-tree`` runs the same rank
@@ -108,6 +108,19 @@ def write_manifest(root: str, n: int, seed: int = 0) -> str:
     return path
 
 
+def write_jsonl(csv_path: str) -> str:
+    """The same rows as JSONL (numbers as JSON numbers)."""
+    import csv
+
+    path = csv_path[: -len(".csv")] + ".jsonl"
+    with open(csv_path, encoding="utf-8") as f, open(path, "w", encoding="utf-8") as out:
+        for r in csv.DictReader(f):
+            rec = {"path": r["path"], "text": r["text"], "num_frames": int(r["num_frames"]),
+                   "height": int(r["height"]), "width": int(r["width"]), "fps": float(r["fps"])}  # fmt: skip
+            out.write(json.dumps(rec) + "\n")
+    return path
+
+
 def rss_mb() -> float:
     """Peak resident memory of this process so far (Linux VmHWM: unlike ru_maxrss, it does not carry
     over the parent's peak through fork + exec)."""
@@ -129,7 +142,7 @@ def child(root: str, ranks: int, clips_per_rank: int) -> None:
     cm = CostModel.from_name("wan-1.3b", "h100")
     imports = rss_mb()
     t0 = time.perf_counter()
-    manifest = root.endswith((".csv", ".parquet"))
+    manifest = root.endswith((".csv", ".jsonl", ".parquet"))
     if manifest:
         ds = build_dataset(root, fps=16, max_frames=81, resolution=256, progress=False)
     else:
@@ -198,7 +211,7 @@ def manifest_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_manifest(tmp, args.samples)
         size = os.path.getsize(path) / 2**20
-        sources = [("csv", path)]
+        sources = [("csv", path), ("jsonl", write_jsonl(path))]
         try:  # the same rows as Parquet (the [parquet] extra), row groups of 64k rows
             import pyarrow.csv
             import pyarrow.parquet as pq

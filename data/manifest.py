@@ -23,6 +23,8 @@ VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
 MEDIA_EXTS = VIDEO_EXTS + IMAGE_EXTS
 COLUMNS = ("path", "text", "num_frames", "height", "width", "fps")
 MANIFEST_EXTS = (".csv", ".jsonl", ".parquet")  # .parquet needs pyarrow (the [parquet] extra)
+# the detail of a manifest row whose file is not there (its one warning line names the fix)
+MISSING_FIX = "listed in the manifest but not on disk: fix its path, or rerun python -m data.scan to drop it"
 
 
 @dataclass

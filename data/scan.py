@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
-from data.manifest import MANIFEST_EXTS, Row, list_folder, write_manifest
+from data.manifest import MANIFEST_EXTS, MISSING_FIX, Row, list_folder, write_manifest
 from data.manifest_table import read_manifest
 from data.readers import BACKENDS, VideoReadError, check_backend, probe
 
@@ -43,7 +43,7 @@ def probe_rows(
     for r in rows:
         if r.info is not None and not os.path.isfile(r.path):
             # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
-            failures.fail(r.path, "missing_file", "listed in the manifest", check=False)
+            failures.fail(r.path, "missing_file", MISSING_FIX, check=False)
     rows = [r for r in rows if r.path not in failures.failed]
     todo = [r for r in rows if r.info is None]
 

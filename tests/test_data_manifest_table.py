@@ -200,7 +200,7 @@ def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
 
     _files(tmp_path)
     (tmp_path / "f.csv").write_bytes(FAST_CSV.encode())
-    slow = mt.ManifestTable.read(str(tmp_path / "f.csv"), fast=False)
+    slow = mt.read(str(tmp_path / "f.csv"), fast=False)
     monkeypatch.setattr(mt, "BLOCK", 64)
     fast = mt._read_csv_fast(str(tmp_path / "f.csv"))
     assert fast is not None
@@ -215,9 +215,7 @@ def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
     ):
         (tmp_path / name).write_text(text)
         assert mt._read_csv_fast(str(tmp_path / name)) is None, name
-        _same_tables(
-            mt.ManifestTable.read(str(tmp_path / name)), mt.ManifestTable.read(str(tmp_path / name), False)
-        )
+        _same_tables(mt.read(str(tmp_path / name)), mt.read(str(tmp_path / name), False))
 
 
 def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
@@ -248,7 +246,7 @@ def test_the_folder_listing_calls_missing_what_isfile_calls_missing(tmp_path):
     of the same bytes mixed (`^ absolute` dropped: /a.mp4 found in the manifest's folder)."""
     import numpy as np
 
-    from data.manifest_table import _Listing
+    from data.manifest_columns import _Listing
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "dir.mp4").mkdir()
