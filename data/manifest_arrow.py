@@ -16,10 +16,8 @@ import os
 
 import numpy as np
 
-from data.manifest import COLUMNS
+from data.manifest import COLUMNS, PARQUET_EXTRA
 from data.manifest_columns import BLOCK, ManifestTable, Paths, _Columns, _FileRecords
-
-PARQUET_EXTRA = "pip install 'dynamic-cp-video[parquet]'"
 
 
 def _parquet(path: str):

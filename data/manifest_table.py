@@ -45,7 +45,7 @@ def _read_csv_fast(path: str) -> ManifestTable | None:
     """A CSV manifest parsed with numpy, a block of records at a time, no Python per field: quotes are
     found by the parity of the quote characters before each byte, so a comma or newline outside quotes
     is a delimiter. None where the file needs the csv module (rows of another width, quoted paths or
-    numbers, numbers numpy does not parse, bad metadata, a byte that is not UTF-8): ``ManifestTable.read``
+    numbers, numbers numpy does not parse, bad metadata, a byte that is not UTF-8): ``read``
     then reads it row by row and names the bad row. Gives what the row-by-row read gives."""
     records = _FileRecords(path)
     with open(path, "rb") as f:

@@ -128,3 +128,42 @@ def test_line_offsets_skip_what_strip_skips(tmp_path, monkeypatch):
             want.append(at)
         at += len(line) + 1
     assert manifest_arrow._line_offsets(str(tmp_path / "m.jsonl")).tolist() == want
+
+
+def test_scan_writes_parquet_that_reads_back_as_its_csv(tmp_path, monkeypatch, capsys):
+    """python -m data.scan --out x.parquet: the CSV's columns (path relative to the manifest, text,
+    int frames and size, float fps), and reading it back gives the rows of the same scan written as CSV
+    and as JSONL. Without pyarrow: one line naming the extra before anything is probed or written.
+    Planted, each caught: paths written absolute (the stored column differs); fps through float32
+    (the rows differ from the CSV's)."""
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from data.manifest_table import read_table
+
+    make_clips(str(tmp_path / "clips"))
+    for ext in ("csv", "jsonl", "parquet"):
+        assert (
+            scan.main([str(tmp_path / "clips"), "--out", str(tmp_path / f"m.{ext}"), "--workers", "2"]) == 0
+        )
+    stored = pq.read_table(tmp_path / "m.parquet")
+    assert stored.schema.names == ["path", "text", "num_frames", "height", "width", "fps"]
+    assert [str(t) for t in stored.schema.types] == ["string", "string", "int64", "int64", "int64", "double"]
+    assert stored.column("path").to_pylist()[0] == "clips/h264_32x32_8fps.mp4"
+    rows = read_table(tmp_path / "m.parquet").rows()
+    assert (
+        len(rows) == 5
+        and rows == read_table(tmp_path / "m.csv").rows() == read_table(tmp_path / "m.jsonl").rows()
+    )
+    assert all(r.info is not None and r.text for r in rows)
+
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert scan.main([str(tmp_path / "clips"), "--out", str(tmp_path / "x.parquet")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {tmp_path / 'x.parquet'}: writing a Parquet manifest needs pyarrow: "
+        "pip install 'dynamic-cp-video[parquet]'"
+    ), err
+    assert not (tmp_path / "x.parquet").exists()
