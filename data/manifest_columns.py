@@ -1,4 +1,5 @@
-"""A manifest's rows as columns (the readers: data/manifest_table.py, data/manifest_arrow.py): a million-row manifest costs each rank a few arrays, not a million objects.
+"""A manifest's rows as columns: a million-row manifest costs each rank a few arrays, not a million objects.
+The readers that fill them: data/manifest_table.py (CSV, dispatch) and data/manifest_arrow.py (Parquet, JSONL).
 
 Per row the table holds the source metadata (frames, height, width; fps, NaN where the row has none
 yet) and where the row's path and caption are: for a manifest file, the byte offset of its record,
