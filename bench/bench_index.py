@@ -14,6 +14,7 @@ old = version 1 (every sample a dict in index.json); new = version 2 (columns in
 
     python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .jsonl, .parquet)
     python bench/bench_index.py --manifest --old-tree /tmp/old      # and the same with another checkout
+    python bench/bench_index.py --manifest --old-tree /tmp/old --repeats 3   # median of 3 interleaved rounds
 
 ``--manifest`` does the same from a CSV manifest, and the same rows as JSONL and Parquet, with metadata (what ``python -m data.scan`` writes)
 instead of a cache: the rank builds the pixel dataset (the clip policy of a Wan fine-tune: 16 fps, 81
@@ -168,6 +169,7 @@ def main() -> None:
     ap.add_argument("--clips-per-rank", type=int, default=4)
     ap.add_argument("--manifest", action="store_true", help="a CSV manifest instead of a cache index")
     ap.add_argument("--old-tree", help="with --manifest: also run the rank with this source tree")
+    ap.add_argument("--repeats", type=int, default=1, help="with --manifest: rounds over the trees (median)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -221,11 +223,15 @@ def manifest_main(args) -> None:
             parquet = os.path.join(tmp, "manifest.parquet")
             pq.write_table(pyarrow.csv.read_csv(path), parquet, row_group_size=65536)
             sources.append(("parquet", parquet))
-        results = {
-            (tree, kind): run_child(source, args, root) for tree, root in trees for kind, source in sources
-        }
+        runs = {}  # rounds interleave the trees, so a change of load hits old and new alike
+        for _ in range(args.repeats):
+            for tree, root in trees:
+                for kind, source in sources:
+                    runs.setdefault((tree, kind), []).append(run_child(source, args, root))
+        results = {key: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for key, rs in runs.items()}
     print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB; as Parquet: row groups of 65,536); one rank's "
-          f"start-up to its first plan ({args.ranks} ranks x {args.clips_per_rank} clips), fresh process each")  # fmt: skip
+          f"start-up to its first plan ({args.ranks} ranks x {args.clips_per_rank} clips), fresh process each, "
+          f"median of {args.repeats}")  # fmt: skip
     print("tree  manifest  first plan s  peak RSS MB  RSS over imports MB")
     for (tree, kind), r in results.items():
         print(
