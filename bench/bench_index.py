@@ -12,10 +12,11 @@ with and without what the imports (torch, the project) hold before the index is 
 
 old = version 1 (every sample a dict in index.json); new = version 2 (columns in samples.safetensors).
 
-    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .parquet)
+    python bench/bench_index.py --manifest                          # a 1,000,000-row manifest.csv (and .jsonl, .parquet)
     python bench/bench_index.py --manifest --old-tree /tmp/old      # and the same with another checkout
+    python bench/bench_index.py --manifest --old-tree /tmp/old --repeats 3   # median of 3 interleaved rounds
 
-``--manifest`` does the same from a CSV manifest with metadata (what ``python -m data.scan`` writes)
+``--manifest`` does the same from a CSV manifest, and the same rows as JSONL and Parquet, with metadata (what ``python -m data.scan`` writes)
 instead of a cache: the rank builds the pixel dataset (the clip policy of a Wan fine-tune: 16 fps, 81
 frames, 256x256 area), plans, and reads its own rows' paths. The rows name 100 empty files (a rank
 checks that each listed file exists; the files are never opened). ``--old-tree`` runs the same rank
@@ -108,6 +109,19 @@ def write_manifest(root: str, n: int, seed: int = 0) -> str:
     return path
 
 
+def write_jsonl(csv_path: str) -> str:
+    """The same rows as JSONL (numbers as JSON numbers)."""
+    import csv
+
+    path = csv_path[: -len(".csv")] + ".jsonl"
+    with open(csv_path, encoding="utf-8") as f, open(path, "w", encoding="utf-8") as out:
+        for r in csv.DictReader(f):
+            rec = {"path": r["path"], "text": r["text"], "num_frames": int(r["num_frames"]),
+                   "height": int(r["height"]), "width": int(r["width"]), "fps": float(r["fps"])}  # fmt: skip
+            out.write(json.dumps(rec) + "\n")
+    return path
+
+
 def rss_mb() -> float:
     """Peak resident memory of this process so far (Linux VmHWM: unlike ru_maxrss, it does not carry
     over the parent's peak through fork + exec)."""
@@ -129,7 +143,7 @@ def child(root: str, ranks: int, clips_per_rank: int) -> None:
     cm = CostModel.from_name("wan-1.3b", "h100")
     imports = rss_mb()
     t0 = time.perf_counter()
-    manifest = root.endswith((".csv", ".parquet"))
+    manifest = root.endswith((".csv", ".jsonl", ".parquet"))
     if manifest:
         ds = build_dataset(root, fps=16, max_frames=81, resolution=256, progress=False)
     else:
@@ -155,6 +169,7 @@ def main() -> None:
     ap.add_argument("--clips-per-rank", type=int, default=4)
     ap.add_argument("--manifest", action="store_true", help="a CSV manifest instead of a cache index")
     ap.add_argument("--old-tree", help="with --manifest: also run the rank with this source tree")
+    ap.add_argument("--repeats", type=int, default=1, help="with --manifest: rounds over the trees (median)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -198,8 +213,8 @@ def manifest_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_manifest(tmp, args.samples)
         size = os.path.getsize(path) / 2**20
-        results = {name: run_child(path, args, tree) for name, tree in trees}
-        try:  # the same rows as Parquet (the [parquet] extra), row groups of 64k rows, read by this tree
+        sources = [("csv", path), ("jsonl", write_jsonl(path))]
+        try:  # the same rows as Parquet (the [parquet] extra), row groups of 64k rows
             import pyarrow.csv
             import pyarrow.parquet as pq
         except ImportError:
@@ -207,15 +222,24 @@ def manifest_main(args) -> None:
         else:
             parquet = os.path.join(tmp, "manifest.parquet")
             pq.write_table(pyarrow.csv.read_csv(path), parquet, row_group_size=65536)
-            results["new, parquet"] = run_child(parquet, args)
-    print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB); one rank's start-up to its first plan "
-          f"({args.ranks} ranks x {args.clips_per_rank} clips), fresh process per tree")  # fmt: skip
-    print("tree          first plan s  peak RSS MB  RSS over imports MB")
-    for name, r in results.items():
-        print(f"{name:12s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}")
-    if "old" in results:
-        old, new = results["old"], results["new"]
-        print(f"old / new: {old['seconds'] / new['seconds']:.1f}x time, "
+            sources.append(("parquet", parquet))
+        runs = {}  # rounds interleave the trees, so a change of load hits old and new alike
+        for _ in range(args.repeats):
+            for tree, root in trees:
+                for kind, source in sources:
+                    runs.setdefault((tree, kind), []).append(run_child(source, args, root))
+        results = {key: sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2] for key, rs in runs.items()}
+    print(f"{args.samples:,}-row manifest.csv ({size:.0f} MB; as Parquet: row groups of 65,536); one rank's "
+          f"start-up to its first plan ({args.ranks} ranks x {args.clips_per_rank} clips), fresh process each, "
+          f"median of {args.repeats}")  # fmt: skip
+    print("tree  manifest  first plan s  peak RSS MB  RSS over imports MB")
+    for (tree, kind), r in results.items():
+        print(
+            f"{tree:4s}  {kind:8s}  {r['seconds']:12.2f}  {r['rss_mb']:11.0f}  {r['rss_mb'] - r['imports_mb']:19.0f}"
+        )
+    for kind, _ in sources if args.old_tree else []:
+        old, new = results["old", kind], results["new", kind]
+        print(f"{kind}: old / new: {old['seconds'] / new['seconds']:.1f}x time, "
               f"{(old['rss_mb'] - old['imports_mb']) / (new['rss_mb'] - new['imports_mb']):.1f}x RSS over imports")  # fmt: skip
 
 

@@ -161,6 +161,18 @@ def encode_chunk(
     return tensors, samples, failed
 
 
+def _reader(dataset) -> str | None:
+    """The video reader that decodes the dataset's clips, 'auto' resolved (None: no video files). A
+    setting, because readers' pixels differ: decord's colour conversion is a level or two off PyAV's
+    and torchcodec's (docs/data.md "Decode speed"), so shards decoded by two readers would mix."""
+    backend = getattr(dataset, "backend", None)
+    if backend is None:
+        return None
+    from data.readers import check_backend
+
+    return check_backend(backend)
+
+
 def cache_settings(
     dataset, vae, text_encoder, shard_size: int, dtype: str, info: dict | None, image=None
 ) -> dict:
@@ -177,6 +189,7 @@ def cache_settings(
         "dtype": dtype,
         "shard_size": shard_size,
         "image_condition": None if image is None else image.record(),  # None: for a text-to-video model
+        "reader": _reader(dataset),
         **(info or {}),
         "num_items": len(dataset),
         "items_sha256": paths.hexdigest(),

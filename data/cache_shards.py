@@ -97,9 +97,10 @@ def check_out_folder(out: str, settings: dict, resume: bool) -> None:
     diff = first_difference(old, json.loads(json.dumps(settings)))  # json: tuples compare as lists
     if diff:
         key, then, now = diff
+        fix = f"rerun with --reader {then}" if key == "reader" and then else "rerun with the same settings"
         raise ValueError(
             f"{out} holds a partly written cache made with other settings ({key}: {then!r} there, "
-            f"{now!r} now); rerun with the same settings or choose a new --out"
+            f"{now!r} now); {fix} or choose a new --out"
         )
     if not resume:
         done = len(glob.glob(os.path.join(out, "shard-*.safetensors")))

@@ -23,6 +23,10 @@ VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
 MEDIA_EXTS = VIDEO_EXTS + IMAGE_EXTS
 COLUMNS = ("path", "text", "num_frames", "height", "width", "fps")
 MANIFEST_EXTS = (".csv", ".jsonl", ".parquet")  # .parquet needs pyarrow (the [parquet] extra)
+PARQUET_EXTRA = "pip install 'dynamic-cp-video[parquet]'"
+PARQUET_ROW_GROUP = 65536  # rows: loading one random clip decodes one group's path and text
+# the detail of a manifest row whose file is not there (its one warning line names the fix)
+MISSING_FIX = "listed in the manifest but not on disk: fix its path, or rerun python -m data.scan to drop it"
 
 
 @dataclass
@@ -72,9 +76,23 @@ def _sidecar_caption(video_path: str) -> str:
         return ""  # no caption: trained unconditionally; the dataset reports how many
 
 
+def check_manifest_out(out: str) -> None:
+    """A one-line ValueError, before anything is probed or written, where ``out`` cannot be written."""
+    if not out.endswith(MANIFEST_EXTS):
+        raise ValueError(f"{out}: the output manifest must end in .csv, .jsonl or .parquet")
+    if out.endswith(".parquet"):
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{out}: writing a Parquet manifest needs pyarrow: {PARQUET_EXTRA}") from None
+
+
 def write_manifest(rows: list[Row], out: str | os.PathLike, relative: bool = True) -> None:
-    """Write rows as .csv or .jsonl. With ``relative`` paths are stored relative to the manifest."""
+    """Write rows as .csv, .jsonl or .parquet (the same columns; Parquet: nulls where a row has no
+    metadata, row groups of ``PARQUET_ROW_GROUP`` rows). With ``relative`` paths are stored relative
+    to the manifest."""
     out = str(out)
+    check_manifest_out(out)
     root = os.path.dirname(os.path.abspath(out))
     records = []
     for r in rows:
@@ -93,4 +111,10 @@ def write_manifest(rows: list[Row], out: str | os.PathLike, relative: bool = Tru
             w.writeheader()
             w.writerows(records)
     else:
-        raise ValueError(f"{out}: the output manifest must end in .csv or .jsonl")
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        types = (pa.string(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.float64())
+        schema = pa.schema(list(zip(COLUMNS, types)))
+        table = pa.table({c: [rec.get(c) for rec in records] for c in COLUMNS}, schema=schema)
+        pq.write_table(table, out, row_group_size=PARQUET_ROW_GROUP)

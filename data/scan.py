@@ -1,6 +1,7 @@
 """Probe videos in parallel and write a manifest with the metadata columns filled in.
 
     python -m data.scan VIDEO_FOLDER_OR_MANIFEST --out manifest.csv [--workers 8] [--reader auto]
+    python -m data.scan VIDEO_FOLDER_OR_MANIFEST --out manifest.parquet   # the same columns (pyarrow)
 
 Files that fail to probe are left out of the manifest and listed, with reasons, in
 ``<out>.failures.csv`` and in the printed summary. Nothing is dropped silently.
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from data.cli import add_debug_flag, run_cli
 from data.failures import FailureLog
-from data.manifest import MANIFEST_EXTS, Row, list_folder, write_manifest
+from data.manifest import MANIFEST_EXTS, MISSING_FIX, Row, check_manifest_out, list_folder, write_manifest
 from data.manifest_table import read_manifest
 from data.readers import BACKENDS, VideoReadError, check_backend, probe
 
@@ -43,7 +44,7 @@ def probe_rows(
     for r in rows:
         if r.info is not None and not os.path.isfile(r.path):
             # Rows that carry metadata are trusted without probing, but a missing file is cheap to catch.
-            failures.fail(r.path, "missing_file", "listed in the manifest", check=False)
+            failures.fail(r.path, "missing_file", MISSING_FIX, check=False)
     rows = [r for r in rows if r.path not in failures.failed]
     todo = [r for r in rows if r.info is None]
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "source", help="folder of videos (captions from sidecar .txt) or a .csv/.jsonl/.parquet manifest"
     )
-    ap.add_argument("--out", required=True, help="output manifest, .csv or .jsonl")
+    ap.add_argument("--out", required=True, help="output manifest, .csv, .jsonl or .parquet (pyarrow)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument(
         "--reader", "--backend", dest="reader", default="auto", choices=BACKENDS,
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    check_manifest_out(args.out)  # a bad --out (or Parquet without pyarrow): one line before any probe
     rows = read_rows(args.source)
     if args.rescan:
         for r in rows:

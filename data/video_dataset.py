@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from data.clip_policy import ClipPolicy
 from data.failures import FailureLog
-from data.manifest import Row
+from data.manifest import MISSING_FIX, Row
 from data.manifest_table import ManifestTable, plan_rows
 from data.readers import VideoInfo, VideoReadError, check_backend, read_frames
 from data.scan import probe_rows
@@ -52,7 +52,7 @@ class VideoDataset(Dataset):
         self.table = table
         self.failures = FailureLog(total=len(table), max_failure_share=max_failure_share)
         for j in np.flatnonzero(table.missing):
-            self.failures.fail(table.path(j), "missing_file", "listed in the manifest", check=False)
+            self.failures.fail(table.path(j), "missing_file", MISSING_FIX, check=False)
         keep = ~table.missing
         todo = np.flatnonzero(keep & ~table.has_info)
         if len(todo):  # rows without metadata: probed in threads, as Row objects (these rows only)

@@ -84,3 +84,38 @@ def test_a_partly_written_cache_is_refused_unless_resumed_with_the_same_settings
     assert cache.main(argv + ["--resume"]) == 0
     assert "1 encoded now" in capsys.readouterr().out
     assert len(build_dataset(str(out))) == 5
+
+
+def test_a_partly_written_cache_is_refused_under_another_reader(tmp_path, capsys):
+    """The reader is a cache setting ('auto' recorded as the reader it resolves to): decord's pixels
+    differ from PyAV's by a level or two (docs/data.md), so shards of two readers would mix. A cache
+    begun with --reader decord and resumed with --reader pyav stops in one line naming --reader decord
+    and touches no file; resumed with decord it finishes and its index records the reader. Planted:
+    "reader" left out of data/cache.py cache_settings -> the pyav rerun finishes the cache and this
+    fails."""
+    import json
+
+    from _data_media import make_clips
+
+    pytest.importorskip("decord")
+    make_clips(str(tmp_path / "videos"), captions=True)
+    out = tmp_path / "cache"
+    argv = ["--source", str(tmp_path / "videos"), "--vae", "identity", "--text-encoder", "hashed"]
+    argv += ["--out", str(out), "--shard-size", "2", "--dtype", "float32", "--fps", "8", "--max-frames", "5"]
+    argv += ["--resolution", "16", "--option", "vae_stride=[1,1,1]", "--option", "patch=[1,1,1]"]
+    argv += ["--option", "progress=false"]
+    assert cache.main(argv + ["--reader", "decord"]) == 0
+    assert json.loads((out / "index.json").read_text())["reader"] == "decord"
+    (out / "index.json").unlink()
+    (out / "shard-00001.safetensors").unlink()
+    capsys.readouterr()
+    before = _snapshot(out)
+    assert cache.main(argv + ["--reader", "pyav", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "(reader: 'decord' there, 'pyav' now); rerun with --reader decord or choose a new --out" in err, (
+        err
+    )
+    assert _snapshot(out) == before
+    assert cache.main(argv + ["--reader", "decord", "--resume"]) == 0
+    assert "1 encoded now" in capsys.readouterr().out

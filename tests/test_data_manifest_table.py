@@ -200,7 +200,7 @@ def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
 
     _files(tmp_path)
     (tmp_path / "f.csv").write_bytes(FAST_CSV.encode())
-    slow = mt.ManifestTable.read(str(tmp_path / "f.csv"), fast=False)
+    slow = mt.read(str(tmp_path / "f.csv"), fast=False)
     monkeypatch.setattr(mt, "BLOCK", 64)
     fast = mt._read_csv_fast(str(tmp_path / "f.csv"))
     assert fast is not None
@@ -215,9 +215,7 @@ def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
     ):
         (tmp_path / name).write_text(text)
         assert mt._read_csv_fast(str(tmp_path / name)) is None, name
-        _same_tables(
-            mt.ManifestTable.read(str(tmp_path / name)), mt.ManifestTable.read(str(tmp_path / name), False)
-        )
+        _same_tables(mt.read(str(tmp_path / name)), mt.read(str(tmp_path / name), False))
 
 
 def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
@@ -242,22 +240,95 @@ def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
 def test_the_folder_listing_calls_missing_what_isfile_calls_missing(tmp_path):
     """_Listing (one scandir per folder) against os.path.isfile, row by row: relative and absolute paths,
     a sub-folder, '..', a folder named like a video, a symlink to a file, a broken symlink, a folder
-    that does not exist, a file at the root. Planted: `if e.is_file()` dropped from the listing (the
-    folder named like a video counts as a file) -> fails."""
+    that does not exist, a file at the root, non-ASCII names, /a.mp4 beside a.mp4. Planted, each
+    caught: `if e.is_file()` dropped from the listing (the folder named like a video counts as a file);
+    a slash of the path before taken as this one's (`cut >= s` dropped); absolute and relative folders
+    of the same bytes mixed (`^ absolute` dropped: /a.mp4 found in the manifest's folder)."""
     import numpy as np
 
-    from data.manifest_table import _Listing
+    from data.manifest_columns import _Listing
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "dir.mp4").mkdir()
-    for name in ("a.mp4", "sub/b.mp4"):
+    for name in ("a.mp4", "sub/b.mp4", "sub/été.mp4"):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "link.mp4").symlink_to(tmp_path / "a.mp4")
     (tmp_path / "broken.mp4").symlink_to(tmp_path / "nowhere.mp4")
     paths = ["a.mp4", "sub/b.mp4", "sub/../a.mp4", "sub/a.mp4", "dir.mp4", "link.mp4", "broken.mp4",
-             "gone/x.mp4", str(tmp_path / "sub" / "b.mp4"), "/etc/hostname", "/no-such-file.mp4", "b.mp4"]  # fmt: skip
+             "gone/x.mp4", str(tmp_path / "sub" / "b.mp4"), "/etc/hostname", "/no-such-file.mp4", "sub/été.mp4", "été.mp4", "sub/ete.mp4", "/a.mp4", "b.mp4"]  # fmt: skip
     check = [True] * (len(paths) - 1) + [False]  # the last row has no metadata: not checked
     want = [not os.path.isfile(os.path.join(tmp_path, p)) for p in paths[:-1]] + [False]
     assert _Listing(str(tmp_path)).missing(paths, check).tolist() == want
-    assert want[:8] == [False, False, False, True, True, False, True, True]
+    assert want[:8] == [False, False, False, True, True, False, True, True] and want[-5:-1] == [
+        False,
+        True,
+        True,
+        True,
+    ]
     assert _Listing(str(tmp_path)).missing([], []).dtype == np.bool_
+
+
+def test_plan_rows_equals_the_policy_row_by_row_across_chunks(monkeypatch):
+    """plan_rows (one key code for the table, a chunk's distinct rows planned before found by search)
+    against policy.plan on every row, with chunks of 7 rows so that most rows were planned in an
+    earlier chunk, on rows that fit one key and rows too wide for it (the per-chunk fallback). Planted,
+    each caught: the known keys not re-sorted after a chunk adds some; the per-chunk rates instead of
+    the table's in the code (a rate's key then differs between chunks)."""
+    import numpy as np
+
+    from data import manifest_table as mt
+    from data.clip_policy import ClipSkip
+
+    monkeypatch.setattr(mt, "PLAN_CHUNK", 7)
+    rng = np.random.default_rng(1)
+    policy = ClipPolicy(fps=8, max_frames=33, resolution=64, min_frames=5)
+    for top in (200, 2**31 - 1):
+        m = 300
+        table = mt.ManifestTable.from_rows(
+            [Row(f"/nowhere/{k}.mp4", "", VideoInfo(int(rng.integers(1, 60)) if k % 50 else top,
+                                                      int(rng.choice([32, 64, 480])), int(rng.choice([48, 64])),
+                                                      float(rng.choice([8.0, 24.0, 29.97]))))
+             for k in range(m)]
+        )  # fmt: skip
+        rows = rng.permutation(m)[: m - 20]
+        kept, metas, skipped = mt.plan_rows(table, rows, policy)
+        want_kept, want_metas, want_skipped = [], [], []
+        for j in rows.tolist():
+            try:
+                c = policy.plan(table.info(j))
+                want_kept.append(j)
+                want_metas.append((c.num_frames, c.height, c.width))
+            except ClipSkip as e:
+                want_skipped.append((j, e.reason))
+        assert kept.tolist() == want_kept and metas.tolist() == [list(x) for x in want_metas], top
+        assert [(j, e.reason) for j, e in skipped] == want_skipped and want_skipped, top
+
+
+def test_the_numpy_decimal_parse_equals_float_of_the_text():
+    """_decimals (the CSV fast path's numbers: digits over an exact power of ten) against float() of
+    each field, bitwise, on 20,000 random plain decimals up to 15 digits (frame counts, sizes, rates
+    such as 29.97 and 23.976024) and edge cases; anything else is None (numpy's own parse then).
+    Planted: multiplying by 0.1 ** digits after the dot instead of dividing by 10 ** them (off by an
+    ulp for some) -> fails; accepting a second dot -> fails."""
+    import numpy as np
+
+    from data.manifest_table import _decimals
+
+    def parse(fields):
+        b = [f.encode() for f in fields]
+        w = max(3, max(map(len, b)))
+        chars = np.zeros((len(b), w), dtype=np.uint8)
+        for k, x in enumerate(b):
+            chars[k, : len(x)] = np.frombuffer(x, dtype=np.uint8)
+        return _decimals(chars, np.array([len(x) for x in b]))
+
+    rng = np.random.default_rng(0)
+    fields = ["5.", ".5", "007", "29.97", "23.976024", "0", "999999999999999", "1.00000000000001"]
+    for _ in range(20000):
+        digits = "".join(rng.choice(list("0123456789"), int(rng.integers(1, 16))))
+        dot = int(rng.integers(0, len(digits) + 1))
+        fields.append(digits if rng.random() < 0.3 else digits[:dot] + "." + digits[dot:])
+    got = parse(fields)
+    assert got is not None and got.tobytes() == np.array([float(f) for f in fields]).tobytes()
+    for bad in ("1e3", "-1", " 1", "1.2.3", ".", "nan", "1234567890123456", "+2"):
+        assert parse(["30", bad]) is None, bad
