@@ -110,6 +110,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_config.py",
         "tests/test_config_cli.py",
         "tests/test_config_wan22_faults.py",
+        "tests/test_config_reader.py",
     ],
     # argument handling only (SCOPES); the rest of sample.py is test_sample_cli.py's (--whole --tests ...)
     "sample.py": [
