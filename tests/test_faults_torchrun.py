@@ -1,14 +1,14 @@
 """Faults of a multi-process run, with real processes: a rank killed under torchrun, a rank hung.
 
-- Kill: ``torchrun --nproc_per_node=4 --max-restarts=1 train.py ... --resume auto`` on 4 gloo ranks,
-  with replicated weights and with FSDP per_layer. Right after the first checkpoint, rank 2 is
-  SIGKILLed (in the middle of a step: the kill follows the checkpoint within milliseconds). torchrun
-  restarts every worker with the same arguments; they resume the newest whole checkpoint and the job
-  ends at max_steps with weights bitwise equal to an uninterrupted 4-rank torchrun run (same plan,
-  same reduction order, same OMP_NUM_THREADS=1; under FSDP the same shards, restored by DCP), the
-  same loss and tokens at every step (the same clips: the data position is the step), and each step
-  once in metrics.jsonl. The same for rank 2 killed during checkpoint 4, sync and async. One
-  uninterrupted run per mode serves every test (a module-scoped fixture).
+- Kill: ``torchrun --nproc_per_node=4 --max-restarts=2 train.py ... --resume auto`` on 4 gloo ranks,
+  with replicated weights and with FSDP per_layer. Rank 2 is killed during checkpoint 4 (sync and
+  async saves), and, in the sync jobs, again mid-step right after the restarted attempt commits
+  checkpoint 4 (the kill follows the checkpoint within milliseconds). torchrun restarts every worker
+  with the same arguments; they resume the newest whole checkpoint and the job ends at max_steps
+  with weights bitwise equal to an uninterrupted 4-rank torchrun run (same plan, same reduction
+  order, same OMP_NUM_THREADS=1; under FSDP the same shards, restored by DCP), the same loss and
+  tokens at every step (the same clips: the data position is the step), and each step once in
+  metrics.jsonl. One uninterrupted run per mode serves every test (a module-scoped fixture).
 - Hang: two ranks started as torchrun would (env://), ``parallel.timeout_s=5``; after step 2 rank 1
   is SIGSTOPped. Rank 0 must exit non-zero within timeout_s + 30 s with one line naming the
   collective and the step.
@@ -115,22 +115,6 @@ def _assert_ends_equal(run: Path, whole: Path, out: str) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
-@pytest.mark.parametrize("mode", list(MODES))
-def test_rank_killed_mid_step_torchrun_restarts_and_ends_equal(uninterrupted, tmp_path, mode):
-    """Planted under FSDP: load_fsdp_checkpoint not restoring the optimizer's sharded moments
-    (set_optimizer_state_dict dropped) -> the step-4 loss and the later ones differ (caught)."""
-    killed = _torchrun(tmp_path, mode, [], max_restarts=1)
-    first = tmp_path / "run" / "checkpoints" / "step_000002"
-    deadline = time.time() + 600
-    while not first.is_dir() and killed.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.kill(torchrun_workers(killed.pid)[VICTIM], signal.SIGKILL)
-    out, _ = killed.communicate(timeout=900)
-    assert killed.returncode == 0, out[-3000:]
-    _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
-
-
 # (mode, train.async_checkpoint): the sync save, the background writer of replicated runs, DCP async_save
 KILLED_SAVES = [
     ("replicated", "false"),
@@ -140,6 +124,7 @@ KILLED_SAVES = [
 ]
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
 @pytest.mark.parametrize("mode,async_checkpoint", KILLED_SAVES)
 def test_rank_killed_during_a_save_resumes_the_previous_checkpoint(
     uninterrupted, tmp_path, mode, async_checkpoint
@@ -150,15 +135,36 @@ def test_rank_killed_during_a_save_resumes_the_previous_checkpoint(
     point until torchrun stops it, so the save cannot win the race and commit. torchrun restarts;
     the restarted job must skip step_000004.tmp, resume step 2 and end equal to the uninterrupted
     run. Planted: newest_whole_checkpoint returning the newest folder unchecked -> the restart tries
-    step_000004.tmp and the job fails."""
+    step_000004.tmp and the job fails.
+
+    With the sync save (the default, as in a plain run) the same job also takes the mid-step kill:
+    right after the restarted attempt commits checkpoint 4, rank 2 is SIGKILLed from outside (in the
+    middle of step 5: the kill follows the checkpoint within milliseconds); torchrun restarts every
+    worker again and they resume step 4. One job for both kills saves a torchrun job per mode (two
+    4-rank start-ups, about a minute of the suite under load). Planted under FSDP:
+    load_fsdp_checkpoint not restoring the optimizer's sharded moments (set_optimizer_state_dict
+    dropped) -> the losses after each resume differ (caught)."""
+    mid_step = async_checkpoint == "false"
     env = {KILL_IN_SAVE: f"4:{VICTIM}"}
     killed = _torchrun(
-        tmp_path, mode, [f"train.async_checkpoint={async_checkpoint}"], max_restarts=1, env=env
+        tmp_path,
+        mode,
+        [f"train.async_checkpoint={async_checkpoint}"],
+        max_restarts=2 if mid_step else 1,
+        env=env,
     )
+    if mid_step:
+        whole4 = tmp_path / "run" / "checkpoints" / "step_000004"  # committed by the restarted attempt
+        deadline = time.time() + 600
+        while not whole4.is_dir() and killed.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill(torchrun_workers(killed.pid)[VICTIM], signal.SIGKILL)
     out, _ = killed.communicate(timeout=900)
     assert killed.returncode == 0, out[-3000:]
     assert "step_000004.tmp: left by a save that did not finish" in out, out[-3000:]
     assert "step_000002 at step 2" in out, out[-3000:]
+    if mid_step:  # the second restart resumed the checkpoint the first one wrote
+        assert "step_000004 at step 4" in out, out[-3000:]
     _assert_ends_equal(tmp_path / "run", uninterrupted(mode), out)
 
 

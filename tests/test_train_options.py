@@ -1,6 +1,6 @@
 """train.optimizer, train.lr_schedule, train.report_to and peak memory: what fine-tuners set first.
 
-- every LR schedule resumes bit for bit after a SIGKILL (the schedule is rebuilt from the config);
+- every LR schedule resumes bit for bit (the schedule is rebuilt from the config);
 - adamw_fused equals adamw within 1e-6 after 5 steps; adamw_8bit trains and resumes;
 - ZeRO-1 (2 gloo ranks) with adamw_fused and adamw_8bit equals the single-process step;
 - report_to=[jsonl, tensorboard] writes event files that tensorboard's own reader reads back;
@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -40,23 +36,6 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _records(run) if "loss" in r}
 
 
-def _kill_after_first_checkpoint(over: list[str]) -> int:
-    """Start a long train.py run, SIGKILL it once its first checkpoint exists; -> the checkpoint step."""
-    # The killed run's steps must be bitwise those of this process: same intra-op thread count
-    # (torch's default need not be the 2 that conftest gives this process).
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen([sys.executable, "train.py", "--config", TINY, *over, "train.max_steps=1000"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    out = next(o.split("=", 1)[1] for o in over if o.startswith("output_dir="))
-    latest = Path(out) / "checkpoints" / "latest"
-    deadline = time.time() + 180
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
-    return int(latest.read_text().strip().split("_")[1])
-
-
 # lr at step s (after s optimizer steps) with warm-up 1 and decay over 8 steps, by diffusers' formulas
 EXPECTED_LR = {
     "constant": lambda s: 1.0,
@@ -65,21 +44,26 @@ EXPECTED_LR = {
 }
 
 
-# 'constant' (the default) is test_train.py's SIGKILL test; the decaying ones are checked here
+# 'constant' (the default) is test_train.py's SIGKILL test; the decaying ones are checked here. Each
+# stops after checkpoint 4 (in this process: a fresh train.main, so a fresh Trainer and scheduler, is
+# what a restart after a kill runs) and resumes to 6: a SIGKILLed subprocess per schedule cost a torch
+# import and a start-up each (~8 s a pass idle, 74-87 s under load 7) and tested nothing more (the kill
+# itself, metrics past the checkpoint dropped: test_train.py). Planted: the trainer not loading the
+# checkpoint's lr_schedule state on resume -> both schedules fail.
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
-def test_every_lr_schedule_resumes_bitwise_after_sigkill(schedule, tmp_path):
-    # lr_decay_steps pins the curve, so the killed 1000-step run and the 6-step runs share it
+def test_every_lr_schedule_resumes_bitwise(schedule, tmp_path):
+    # lr_decay_steps pins the curve, so the 4-step, resumed and 6-step runs share it
     extra = {"train.lr_schedule": schedule, "train.lr_decay_steps": 8, "train.checkpoint_every": 2,
              "train.val_every": 100}  # fmt: skip
     full_over = tiny_overrides(tmp_path / "full", **extra, **{"train.max_steps": 6})
     assert train.main(["--config", TINY, *full_over]) == 0
-    over = tiny_overrides(tmp_path / "killed", **extra)
-    assert 2 <= _kill_after_first_checkpoint(over) <= 6
+    over = tiny_overrides(tmp_path / "stopped", **extra)
+    assert train.main(["--config", TINY, *over, "train.max_steps=4"]) == 0
     assert train.main(["--config", TINY, *over, "train.max_steps=6", "--resume"]) == 0
-    full, resumed = _losses(tmp_path / "full" / "run"), _losses(tmp_path / "killed" / "run")
+    full, resumed = _losses(tmp_path / "full" / "run"), _losses(tmp_path / "stopped" / "run")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert all(full[s] == resumed[s] for s in full), (full, resumed)  # exact equality
-    lr = {r["step"]: r["lr"] for r in _records(tmp_path / "killed" / "run") if "lr" in r}
+    lr = {r["step"]: r["lr"] for r in _records(tmp_path / "stopped" / "run") if "lr" in r}
     base = load_config(TINY).train.lr
     for s in range(1, 7):  # the schedule is the one asked for, not the old constant one
         assert lr[s] == pytest.approx(base * EXPECTED_LR[schedule](s), rel=1e-9), (s, lr[s])
