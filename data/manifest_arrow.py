@@ -157,6 +157,12 @@ def read_jsonl(path: str) -> ManifestTable | None:
         [("path", pa.string()), ("text", pa.string())] + [(c, pa.float64()) for c in COLUMNS[2:]]
     )
     options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    with open(path, "rb") as f:
+        head = f.read(JSONL_BLOCK).lstrip()
+    if not head.startswith(b"{"):
+        # pyarrow 26's open_json crashes the process (SIGSEGV) when the first value is null; anything
+        # but an object first is the line-by-line read's to name
+        return None
     records = _FileRecords(path)
     columns = _Columns(records.root, path)
     first = 1

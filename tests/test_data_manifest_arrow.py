@@ -167,3 +167,16 @@ def test_scan_writes_parquet_that_reads_back_as_its_csv(tmp_path, monkeypatch, c
         "pip install 'dynamic-cp-video[parquet]'"
     ), err
     assert not (tmp_path / "x.parquet").exists()
+
+
+@pytest.mark.parametrize("head", ["null\n", "\n  null\n", "[1]\n", '"a.mp4"\n'])
+def test_a_first_value_that_is_not_an_object_never_reaches_pyarrow(tmp_path, head):
+    """pyarrow 26's open_json kills the process (SIGSEGV) when the first value is null (found by
+    tests/test_fuzz_inputs.py): such a file goes to the line-by-line read, which names the line.
+    Planted: the check removed -> this test's process crashes."""
+    (tmp_path / "a.mp4").write_bytes(b"")
+    path = tmp_path / "m.jsonl"
+    path.write_text(head + '{"path": "a.mp4"}\n')
+    assert manifest_arrow.read_jsonl(str(path)) is None
+    with pytest.raises(ValueError, match=r"m.jsonl:\d: each line needs an object with a 'path' key"):
+        read(str(path))
