@@ -290,13 +290,20 @@ def _wan_job(frames: int, height: int) -> SamplingJob:
     )
 
 
+def _options(jobs, world: int):
+    """Every request's options on ``world`` ranks at the default CP sizes and the H100 memory cap."""
+    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
+    from dynamic_cp.planning.sampling_planner import job_options
+
+    return [job_options(WAN14, j, world, normalize_cp_sizes(world), CAP, True) for j in jobs]
+
+
 def _greedy_makespan(jobs, world: int) -> float:
     """The best of what the planner tries before it searches: every fixed option and the moldable
     schedules."""
-    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
-    from dynamic_cp.planning.sampling_planner import MOLDABLE_WEIGHTS, job_options, moldable_schedule
+    from dynamic_cp.planning.sampling_planner import MOLDABLE_WEIGHTS, moldable_schedule
 
-    options = [job_options(WAN14, j, world, normalize_cp_sizes(world), CAP, True) for j in jobs]
+    options = _options(jobs, world)
     spans = [max(p.done for p in moldable_schedule(WAN14, jobs, options, world, w)) for w in MOLDABLE_WEIGHTS]
     keys = set.intersection(*({(o.cp, o.cfg_parallel) for o in opts} for opts in options))
     spans += [plan_sampling(jobs, world, WAN14, CAP, fixed=k).makespan for k in keys]
@@ -305,10 +312,9 @@ def _greedy_makespan(jobs, world: int) -> float:
 
 def _makespans_one_option_away(jobs, plan, world: int) -> list[float]:
     """The list schedules of ``plan``'s options with one request's option changed, every way."""
-    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
-    from dynamic_cp.planning.sampling_planner import job_options, list_schedule
+    from dynamic_cp.planning.sampling_planner import list_schedule
 
-    options = [job_options(WAN14, j, world, normalize_cp_sizes(world), CAP, True) for j in jobs]
+    options = _options(jobs, world)
     by_job = {p.job: (len(p.ranks), p.cfg_ranks is not None) for p in plan.placements}
     choice = [next(o for o in opts if (o.cp, o.cfg_parallel) == by_job[j]) for j, opts in enumerate(options)]
     return [
@@ -325,13 +331,12 @@ def test_a_few_requests_get_the_best_combination_of_options():
     same sums in the same order, so they compare exactly."""
     import itertools
 
-    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
-    from dynamic_cp.planning.sampling_planner import job_options, list_schedule
+    from dynamic_cp.planning.sampling_planner import list_schedule
 
     jobs = [_wan_job(65, 480)] * 3
     plan = plan_sampling(jobs, 8, WAN14, CAP)
     _check_plan(plan, jobs)
-    options = [job_options(WAN14, j, 8, normalize_cp_sizes(8), CAP, True) for j in jobs]
+    options = _options(jobs, 8)
     every = [max(p.done for p in list_schedule(WAN14, jobs, list(c), 8)) for c in itertools.product(*options)]
     assert plan.makespan == min(every)
     assert plan.makespan < 0.95 * _greedy_makespan(jobs, 8)
@@ -506,11 +511,10 @@ def test_four_guided_requests_on_8_ranks_are_searched_exhaustively():
     the descent alone misses (377 s). Planted: the limit exclusive -> fails."""
     import itertools
 
-    from dynamic_cp.planning.groups_layout import normalize_cp_sizes
-    from dynamic_cp.planning.sampling_planner import EXHAUSTIVE_COMBINATIONS, job_options, list_schedule
+    from dynamic_cp.planning.sampling_planner import EXHAUSTIVE_COMBINATIONS, list_schedule
 
     jobs = [_wan_job(65, 720), _wan_job(65, 480), _wan_job(81, 720), _wan_job(33, 720)]
-    options = [job_options(WAN14, j, 8, normalize_cp_sizes(8), CAP, True) for j in jobs]
+    options = _options(jobs, 8)
     assert [len(o) for o in options] == [7] * 4 and 7**4 == EXHAUSTIVE_COMBINATIONS
     every = [max(p.done for p in list_schedule(WAN14, jobs, list(c), 8)) for c in itertools.product(*options)]
     assert plan_sampling(jobs, 8, WAN14, CAP).makespan == min(every)
