@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         "(none), or shard only when replicated weights leave a request no room in --memory-gb (auto)",
     )
     parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "no"),
+        default="auto",
+        help="DiT and text encoder weights in bf16 with bf16 autocast (bf16), or fp32 (no); auto: bf16 on "
+        "GPUs, fp32 on CPUs (as train.mixed_precision). The VAE and image encoder stay fp32",
+    )
+    parser.add_argument(
         "--hardware",
         default=None,
         help="cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
@@ -133,6 +140,7 @@ def run(args) -> int:
     from dit.sample_requests import build_queue
     from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
     from dit.sampling import check_requests, check_writable, output_path, remove_partials, sample_queue
+    from dit.trainer import autocast_dtype
 
     requests = build_queue(args.prompt, args.prompts_file, request_defaults(args))
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -145,19 +153,22 @@ def run(args) -> int:
     with world as device:
         # under torchrun the DiT waits on the CPU until the plan says replicated or sharded
         model_device = torch.device("cpu") if distributed else device
+        dtype = autocast_dtype(args.precision, device) or torch.float32
         if args.pretrained:
             sampler = load_pretrained_sampler(
-                args.pretrained, args.lora, args.lora_scale, device, model_device=model_device
+                args.pretrained, args.lora, args.lora_scale, device, model_device=model_device, dtype=dtype
             )
         else:
             sampler = load_checkpoint_sampler(
-                args.checkpoint, args.weights, args.lora, args.lora_scale, device, model_device
+                args.checkpoint, args.weights, args.lora, args.lora_scale, device, model_device, dtype
             )
         shift = args.shift if args.shift is not None else sampler.shift
         check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
         check_writable(requests, args.upscale)  # H.264 needs even sizes (after the patch's own check)
         out = Path(args.out) if args.out else sampler.out_dir
         settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
+        if dtype != torch.float32:  # fp32 keeps the keys clips written before --precision existed have
+            settings += f"|precision={dtype}"
         paths = {r.index: output_path(out, r, settings) for r in requests}
         if os.environ.get("RANK", "0") == "0":  # before any rank writes: others wait for its plan
             remove_partials(out)  # what a killed job was writing when it died
@@ -178,11 +189,11 @@ def run(args) -> int:
                 device,
             )
         else:
-            from dynamic_cp.runtime.sampling import check_memory, device_memory
+            from dynamic_cp.runtime.sampling import check_memory, device_memory, resident_bytes
 
             memory = device_memory(device, args.memory_gb)
             if memory is not None:  # a request that cannot fit fails now, not after the others
-                check_memory(sampler.model, sampler.vae, requests, memory)
+                check_memory(sampler.model, sampler.vae, requests, memory, resident_bytes(sampler))
             sample_queue(
                 sampler.model,
                 sampler.text_encoder,

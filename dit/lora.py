@@ -24,6 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from dit.config import LoraSettings
+from dit.model import cast_weights
 from dit.wan_import import PATCH_WEIGHT, ours_to_wan, wan_to_ours
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -47,10 +48,7 @@ def freeze_base(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Base weights stop training and move to the compute dtype, except the modules diffusers keeps in
     fp32 (norms, time embedding, modulation tables); call before the adapters are added."""
     model.requires_grad_(False)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, p in model.named_parameters():
-        if not keep & set(name.split(".")):
-            p.data = p.data.to(dtype)
+    cast_weights(model, dtype)
 
 
 def add_lora(model, config: LoraConfig, adapter_name: str = ADAPTER) -> list[torch.nn.Parameter]:

@@ -482,3 +482,17 @@ def check_image_fields(
             f"pos_embed_seq_len={pos_embed_seq_len} is FLF2V's two-image length: it needs image_dim and an "
             "even value (514 for two CLIP images of 257 tokens)"
         )
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype, keep_fp32: bool = True) -> nn.Module:
+    """Parameters of ``model`` to ``dtype``, except (``keep_fp32``) those of the modules diffusers keeps
+    in fp32 (the ``_keep_in_fp32_modules`` of every VideoDiT inside, so both experts of an ExpertPair:
+    norms, time embedding, modulation tables), as ``from_pretrained(torch_dtype=...)`` loads them.
+    Buffers (the RoPE tables, fp32 for the complex rotation) stay as they are."""
+    keep = set()
+    for module in model.modules() if keep_fp32 else ():
+        keep.update(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        if not keep & set(name.split(".")):
+            p.data = p.data.to(dtype)
+    return model

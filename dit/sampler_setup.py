@@ -25,9 +25,16 @@ class Sampler:
 
 
 def load_checkpoint_sampler(
-    checkpoint: str, weights_kind: str, lora: str | None, lora_scale: float, device, model_device=None
+    checkpoint: str,
+    weights_kind: str,
+    lora: str | None,
+    lora_scale: float,
+    device,
+    model_device=None,
+    dtype: torch.dtype = torch.float32,
 ) -> Sampler:
-    """``model_device``: where the DiT goes (default ``device``; the CPU when it is sharded next)."""
+    """``model_device``: where the DiT goes (default ``device``; the CPU when it is sharded next).
+    ``dtype``: the DiT's weights (``sampling_weights``) and the text encoder's; the VAE stays fp32."""
     import yaml
 
     from dit.checkpoint import resolve_checkpoint
@@ -42,8 +49,8 @@ def load_checkpoint_sampler(
         )
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
     model = load_sampling_model(cfg, weights, lora, lora_scale)
-    model = with_other_expert(cfg, model).to(model_device or device).eval()
-    text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device)
+    model = sampling_weights(with_other_expert(cfg, model), dtype).to(model_device or device).eval()
+    text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device, dtype)
     vae = build_vae(cfg.data, device)
     image_encoder = None
     if model.config.get("image_dim") is not None:
@@ -134,6 +141,16 @@ def add_lora(model, lora: str | None, lora_scale: float) -> None:
         lora_lib.set_lora_scale(model, lora_scale)
 
 
+def sampling_weights(model, dtype: torch.dtype):
+    """Every DiT parameter (adapters and the norms, time embedding and modulation diffusers keeps in
+    fp32 included) in ``dtype``: sharded sampling needs one dtype (FSDP2 gathers a unit in one, as
+    Wan's own ``--dit_fsdp`` and training's FSDP on GPUs gather every weight in bf16), and replicated
+    sampling uses the same numbers, so N ranks give what one gives whichever way the weights go."""
+    from dit.model import cast_weights
+
+    return cast_weights(model, dtype, keep_fp32=False)
+
+
 def pretrained_shift(folder: Path) -> float | None:
     """The ``flow_shift`` (or ``shift``) of the folder's scheduler config; None when it has none."""
     config = folder / "scheduler" / "scheduler_config.json"
@@ -145,13 +162,21 @@ def pretrained_shift(folder: Path) -> float | None:
 
 
 def load_pretrained_sampler(
-    folder: str, lora: str | None, lora_scale: float, device, text_max_length: int = 512, model_device=None
+    folder: str,
+    lora: str | None,
+    lora_scale: float,
+    device,
+    text_max_length: int = 512,
+    model_device=None,
+    dtype: torch.dtype = torch.float32,
 ) -> Sampler:
     """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
     (``dit/wan_import.py``; a Wan2.2 A14B folder's two experts as one ``dit.experts.ExpertPair``), its
     UMT5 text encoder and tokenizer (``data/text_encoders.py``), its Wan VAE (``data/vaes.py``) and, when the transformer has ``image_dim``, its CLIP ``image_encoder/``
     and ``image_processor/`` (``data/image_encoders.py``). ``model_device``: where the DiT goes
-    (default ``device``; the CPU when it is sharded next)."""
+    (default ``device``; the CPU when it is sharded next). ``dtype``: the DiT's and the text encoder's
+    weights (``sampling_weights``); the VAE and image encoder stay fp32, as diffusers' Wan examples
+    load them."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae, wan_vae_kind
     from dit.sampling import data_channels
@@ -178,13 +203,15 @@ def load_pretrained_sampler(
                 f"--lora on {folder}, a two-expert (Wan2.2 A14B) folder, is not supported yet: each expert takes "
                 "its own LoRA; merge it into that expert's transformer folder first"
             )
-        high, low = (load_pretrained(path, expert=e) for e in ("high", "low"))
-        model = ExpertPair(high, low, index["boundary_ratio"]).to(model_device or device).eval()
+        high, low = (load_pretrained(path, dtype, expert=e) for e in ("high", "low"))
+        model = ExpertPair(high, low, index["boundary_ratio"])
     else:  # diffusers runs transformer/ alone when a pipeline has no boundary_ratio
-        model = load_pretrained(path, expert="high" if is_two_expert(index) else None)
-        model = model.to(model_device or device).eval()
+        model = load_pretrained(path, dtype, expert="high" if is_two_expert(index) else None)
         add_lora(model, lora, lora_scale)
-    text_encoder = load_text_encoder("umt5", path, max_length=text_max_length, device=str(device))
+    model = sampling_weights(model, dtype).to(model_device or device).eval()
+    text_encoder = load_text_encoder(
+        "umt5", path, max_length=text_max_length, device=str(device), dtype=dtype
+    )
     if text_encoder.dim != model.config.text_dim:
         raise ValueError(
             f"{path / 'text_encoder'} gives {text_encoder.dim}-wide embeddings but {path / 'transformer'} "

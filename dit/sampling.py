@@ -12,6 +12,7 @@ Legend: n = tokens of one clip, p = patch values, k = branches in one forward (1
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -122,7 +123,23 @@ def branch_velocity(
     # (clips here, m, image_dim): the same tokens for every branch, so for each clip of the shard
     if image_tokens is not None:
         extra["image"] = image_tokens.expand(len(local), -1, -1)
-    return model(x_in, pos, local, t.expand(k).float(), text, text_lens, attention, **extra).float()
+    with compute_precision(model, x.device):
+        v = model(x_in, pos, local, t.expand(k).float(), text, text_lens, attention, **extra)
+    return v.float()
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype the DiT computes in: its linear layers' weights (bf16 under ``sample.py --precision
+    bf16``; the norms, time embedding and modulation stay fp32 either way, see ``cast_weights``)."""
+    return next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def compute_precision(model, device: torch.device):
+    """Autocast to the weights' dtype when they are not fp32: the fp32 latents, text embeddings and
+    the fp32-kept modules' outputs meet bf16 weights in bf16 matmuls, as diffusers' bf16 pipelines
+    run. fp32 weights leave the caller's setting alone (the trainer's previews run its autocast)."""
+    dtype = compute_dtype(model)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
 def cfg_mix(v_cond: torch.Tensor, v_uncond: torch.Tensor | None, guidance: float) -> torch.Tensor:

@@ -136,12 +136,14 @@ def check_same_task(cfg: ModelConfig, config) -> None:
         )
 
 
-def build_text_encoder(cfg: DataConfig, text_dim: int, device: torch.device | str = "cpu"):
+def build_text_encoder(
+    cfg: DataConfig, text_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+):
     from data.text_encoders import load_text_encoder
 
     encoder = load_text_encoder(
-        cfg.text_encoder, cfg.text_encoder_path, cfg.text_max_length, device=str(device), hashed_dim=text_dim,
-        seed=cfg.seed,
+        cfg.text_encoder, cfg.text_encoder_path, cfg.text_max_length, device=str(device), dtype=dtype,
+        hashed_dim=text_dim, seed=cfg.seed,
     )  # fmt: skip
     if encoder.dim != text_dim:
         raise ValueError(

@@ -51,6 +51,11 @@ def test_pretrained_folder_samples_a_queue_and_reruns_skip(wan_folder, tmp_path,
     capsys.readouterr()
     assert sample.main(argv) == 0
     assert "2 of 2 clips already in place" in capsys.readouterr().out
+    # bf16 clips are other clips: their own keys, sampled anew beside the fp32 ones (planted: the
+    # precision left out of the key -> "2 of 2 clips already in place")
+    assert sample.main([*argv, "--precision", "bf16"]) == 0
+    assert "already in place" not in capsys.readouterr().out
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 4
 
 
 def test_pretrained_sampler_is_the_folder_parts(wan_folder):
@@ -59,6 +64,22 @@ def test_pretrained_sampler_is_the_folder_parts(wan_folder):
     s = load_pretrained_sampler(str(wan_folder), None, 1.0, "cpu")
     assert s.shift == 3.0 and s.vae.stride == (4, 8, 8) and s.text_encoder.dim == 16
     assert s.model.config.text_pad_len == 512  # Wan pads captions as its pipeline does
+    assert {p.dtype for p in s.model.parameters()} == {torch.float32}
+
+
+def test_bf16_sampler_holds_the_dit_and_text_encoder_in_bf16_and_the_vae_in_fp32(wan_folder):
+    """--precision bf16: every DiT weight in bf16 (the norms and modulation diffusers keeps in fp32
+    too: sharded sampling gathers one dtype, and replicated sampling must give the same clips), the
+    UMT5 encoder in bf16 (as Wan's pipeline runs it), the VAE in fp32 (as diffusers' Wan examples load
+    it). Planted: the norms kept fp32, the text encoder loaded in fp32: each fails here."""
+    from dit.sampler_setup import load_pretrained_sampler
+    from dit.sampling import compute_dtype
+
+    s = load_pretrained_sampler(str(wan_folder), None, 1.0, "cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in s.model.parameters()} == {torch.bfloat16}
+    assert compute_dtype(s.model) == torch.bfloat16
+    assert {p.dtype for p in s.text_encoder.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in s.vae.model.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize(
@@ -120,17 +141,24 @@ def test_torchrun_two_ranks_writes_the_one_process_clips(wan_folder, tmp_path):
 
 
 def test_a_request_that_fits_no_memory_is_named_with_what_to_lower(wan_folder, tmp_path, capsys):
-    # 20 kB a rank: the tiny model's bf16 weights (12 kB) fit, and 8 tokens of activations
+    """301 kB a rank, 271 kB of it usable (0.9): the VAE (247 kB, fp32) and the text encoder (5 kB in
+    bf16) every rank holds, the DiT's bf16 weights (13 kB) and 8 tokens of activations (640 B each).
+    Under --precision bf16 the 1-token request fits and the 9-token one is named; in fp32 (the CPU's
+    default) the weights (27 kB) and the encoder do not fit at all, and the message names bf16.
+    Planted: the text encoder and VAE left out of the budget -> 402 tokens fit, no error."""
     (tmp_path / "q.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog", "height": 48, "width": 48}\n')
     argv = ["--pretrained", str(wan_folder), "--prompts-file", str(tmp_path / "q.jsonl"), "--frames", "1",
-            "--height", "16", "--width", "16", "--steps", "1", "--out", str(tmp_path), "--memory-gb", "2e-5"]  # fmt: skip
-    assert sample.main(argv) == 2
+            "--height", "16", "--width", "16", "--steps", "1", "--out", str(tmp_path), "--memory-gb", "3.01e-4"]  # fmt: skip
+    assert sample.main([*argv, "--precision", "bf16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         len(err) == 1
         and "q.jsonl line 2: 9 tokens" in err[0]
         and "lower its frames, height or width" in err[0]
     ), err
+    assert sample.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fp32 weights" in err[0] and "(or --precision bf16)" in err[0], err
     assert not list(tmp_path.glob("*.mp4"))  # checked before the first clip
 
 

@@ -93,13 +93,22 @@ def test_fsdp_sharded_sampling_gives_the_one_process_clips(references, world_siz
 
 
 def test_auto_shards_only_when_replicated_weights_leave_no_room():
-    """``--fsdp auto`` prices the weights as Wan-14B's (28 GB in bf16) against the memory per rank:
-    replicated on 80 GB, sharded on 30 GB (27 GB usable), where ``none`` is refused naming the fix.
-    Planted: auto never sharding fails the 30 GB case."""
+    """``--fsdp auto`` prices the weights as Wan-14B's (28 GB in bf16: the tiny model's weights are
+    cast to bf16, as ``--precision bf16`` loads them, and the dtype is what is priced) against the
+    memory per rank: replicated on 80 GB, sharded on 30 GB (27 GB usable), where ``none`` is refused
+    naming the fix. fp32 weights (56 GB) are priced at 4 bytes: on 60 GB (54 usable) they are sharded
+    where bf16 ones stay replicated. Planted: auto never sharding fails the 30 GB case; the weights
+    priced at 2 bytes whatever their dtype fails the fp32 case."""
+    from dit.model import cast_weights
     from dynamic_cp.planning.cost_model import CostModel
     from dynamic_cp.runtime.sampling import plan_with_weights
 
-    model, wan14 = make_model(lora=False), CostModel.from_name("wan-14b", "h100").forward()
+    fp32, wan14 = make_model(lora=False), CostModel.from_name("wan-14b", "h100").forward()
+    assert plan_with_weights("auto", fp32, None, FSDP_REQUESTS, 8, wan14, 60e9, True)[0] == "per_layer"
+    with pytest.raises(ValueError, match=r"fp32 weights \(56.2 GB a rank\).* \(or --precision bf16\)"):
+        plan_with_weights("none", fp32, None, FSDP_REQUESTS, 8, wan14, 50e9, True)
+    model = cast_weights(make_model(lora=False), torch.bfloat16, keep_fp32=False)
+    assert plan_with_weights("auto", model, None, FSDP_REQUESTS, 8, wan14, 60e9, True)[0] == "none"
     mode, plan = plan_with_weights("auto", model, None, FSDP_REQUESTS, 8, wan14, 80e9, True)
     assert mode == "none" and plan.rounds is None
     mode, plan = plan_with_weights("auto", model, None, FSDP_REQUESTS, 8, wan14, 30e9, True)
@@ -113,3 +122,46 @@ def test_auto_shards_only_when_replicated_weights_leave_no_room():
     assert plan_with_weights("auto", model, None, long, 8, wan14, 32e9, True)[0] == "per_layer"
     with pytest.raises(ValueError, match="--fsdp per_step: use one of auto, none, per_layer"):
         plan_with_weights("per_step", model, None, FSDP_REQUESTS, 8, wan14, None, True)
+
+
+def _bf16_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from dit.sampler_setup import sampling_weights
+    from dynamic_cp.runtime.groups import build_cp_groups
+    from dynamic_cp.runtime.sampling import request_tokens, run_plan, shard_for_sampling
+    from test_sampling_parallel import P
+
+    model = sampling_weights(make_model(lora=True), torch.bfloat16)  # as sample.py --precision bf16
+    enc, cost = HashedTextEncoder(dim=16), cost_model(model)
+    jobs = [SamplingJob(request_tokens(model, None, r), r.steps, r.guided) for r in FSDP_REQUESTS]
+    # data parallel: each request on one rank with both branches packed, as one process runs it
+    hand = [P(i, (i % world_size,)) for i in range(len(FSDP_REQUESTS))]
+    placements, rounds, forwards = lockstep(cost, jobs, hand, world_size)
+    plan = SamplingPlan(world_size, placements, {}, rounds, forwards)
+    # this rank's one-process clips, in this process before sharding (same threads, same kernels)
+    references = {p.job: sample_request(model, enc, None, FSDP_REQUESTS[p.job]) for p in hand if p.owner == rank}
+    shard_for_sampling(model, dist.group.WORLD, torch.device("cpu"))
+    dtypes = {p.dtype for p in model.parameters()}
+    videos = {}
+    groups = build_cp_groups(dist.group.WORLD, None, splits=cost.cp_layout)
+    run_plan(
+        model, enc, None, FSDP_REQUESTS, plan, groups, None, lambda r, v, p, s: videos.__setitem__(r.index, v)
+    )
+    return videos, references, dtypes
+
+
+def test_bf16_sharded_sampling_gives_the_one_process_clips():
+    """``--precision bf16`` with sharded weights: every parameter bf16 (FSDP2 gathers a unit in one
+    dtype; with the norms kept fp32 it refuses the model), the forwards and the empty forwards of the
+    lockstep rounds under bf16 autocast. Each request runs on one rank with both branches packed,
+    the same operations on the same shapes as one process, and FSDP's all-gather copies the bf16
+    weights exactly: the clips are bitwise the one-process clips computed in the same worker (same
+    thread count, same kernels), whatever those kernels are. Planted: the empty forward without
+    autocast (fp32 zero rows against bf16 weights: an error), the norms left fp32 (FSDP's dtype
+    assertion)."""
+    for rank, (videos, references, dtypes) in enumerate(run_gloo(_bf16_worker, 3)):
+        assert dtypes == {torch.bfloat16}, f"rank {rank} holds {dtypes}"
+        assert sorted(videos) == sorted(references) and videos, rank
+        for index, video in videos.items():
+            assert torch.equal(video, references[index]), f"bf16 request {index} differs from one process"

@@ -83,14 +83,16 @@ def test_two_expert_requests_on_2_ranks_give_the_one_process_clips():
 
 def test_the_memory_check_prices_both_resident_experts():
     """Memory for one expert's bf16 weights and 40 tokens: a 30-token request fits one model but not
-    the pair, whose idle expert stays resident (planted: pricing one expert: no error)."""
+    the pair, whose idle expert stays resident (planted: pricing one expert: no error). The pair is in
+    bf16, as ``--precision bf16`` loads it: the weights are priced in their own dtype."""
     import pytest
 
+    from dit.model import cast_weights
     from dynamic_cp.planning.cost_model import BYTES_BF16
     from dynamic_cp.planning.sampling_planner import sampling_token_cap
     from dynamic_cp.runtime.sampling import check_memory
 
-    model = pair()
+    model = cast_weights(pair(), torch.bfloat16, keep_fp32=False)
     dims = cost_model(model).dims
     per_token = (16 * dims.d + 2 * dims.ffn) * BYTES_BF16
     memory = (BYTES_BF16 * dims.num_params + 40.5 * per_token) / 0.9

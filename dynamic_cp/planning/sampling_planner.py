@@ -118,31 +118,40 @@ class SamplingPlan:
         return [p.done for p in sorted(self.placements, key=lambda p: p.job)]
 
 
-def weight_bytes(dims: ModelDims, shards: int = 1) -> float:
-    """bf16 DiT weights one rank holds while sampling: all of them replicated (``shards`` 1), else its
-    1/``shards`` of them plus two gathered blocks (the one running and the one FSDP prefetches), never
-    more than all of them (a model of one or two blocks)."""
-    total = BYTES_BF16 * dims.num_params
+def weight_bytes(dims: ModelDims, shards: int = 1, value_bytes: int = BYTES_BF16) -> float:
+    """DiT weights one rank holds while sampling, ``value_bytes`` a parameter (2: bf16, 4: fp32): all of
+    them replicated (``shards`` 1), else its 1/``shards`` of them plus two gathered blocks (the one
+    running and the one FSDP prefetches), never more than all of them (a model of one or two blocks)."""
+    total = value_bytes * dims.num_params
     if shards <= 1:
         return total
     return min(total, total / shards + 2 * total / dims.layers)
 
 
 def sampling_token_cap(
-    dims: ModelDims, memory_bytes: float, memory_fraction: float = 0.9, shards: int = 1
+    dims: ModelDims,
+    memory_bytes: float,
+    memory_fraction: float = 0.9,
+    shards: int = 1,
+    value_bytes: int = BYTES_BF16,
+    resident_bytes: float = 0.0,
 ) -> int:
-    """Tokens one rank can hold in a sampling forward: the bf16 weights (``weight_bytes``: replicated,
-    or FSDP-sharded over ``shards`` ranks), and the working set of one block per token (nothing is
-    kept for a backward)."""
-    weights = weight_bytes(dims, shards)
-    free = memory_bytes * memory_fraction - weights
-    per_token = (16 * dims.d + 2 * dims.ffn) * BYTES_BF16
+    """Tokens one rank can hold in a sampling forward: the weights (``weight_bytes``: replicated, or
+    FSDP-sharded over ``shards`` ranks), ``resident_bytes`` of other models every rank keeps (the text
+    encoder, the VAE), and the working set of one block per token (nothing is kept for a backward), in
+    the compute dtype of ``value_bytes`` (2: bf16, 4: fp32)."""
+    weights = weight_bytes(dims, shards, value_bytes)
+    free = memory_bytes * memory_fraction - weights - resident_bytes
+    per_token = (16 * dims.d + 2 * dims.ffn) * value_bytes
     if free < per_token:
         how = "shard them with --fsdp per_layer, or use" if shards <= 1 else "sample on more ranks or"
+        dtype = {2: "bf16", 4: "fp32"}.get(value_bytes, f"{value_bytes}-byte")
+        beside = f" next to {resident_bytes / 1e9:.1f} GB of text encoder and VAE" if resident_bytes else ""
         raise ValueError(
-            f"the model's bf16 weights ({weights / 1e9:.1f} GB a rank"
-            f"{'' if shards <= 1 else f', sharded over {shards}'}) do not fit in "
+            f"the model's {dtype} weights ({weights / 1e9:.1f} GB a rank"
+            f"{'' if shards <= 1 else f', sharded over {shards}'}){beside} do not fit in "
             f"{memory_bytes / 1e9:.0f} GB per rank; {how} larger GPUs"
+            + (" (or --precision bf16)" if value_bytes > BYTES_BF16 else "")
         )
     return int(free // per_token)
 

@@ -44,6 +44,8 @@ import torch.distributed as dist
 
 from dit.sample_requests import SampleRequest
 from dit.sampling import (
+    compute_dtype,
+    compute_precision,
     decode,
     denoise,
     guidance_at,
@@ -54,7 +56,7 @@ from dit.sampling import (
 )
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.attention.sharding import gather_shards
-from dynamic_cp.planning.cost_model import BYTES_BF16, CostModel, Hardware, ModelDims
+from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
 from dynamic_cp.planning.sampling_planner import (
     Placement,
     SamplingJob,
@@ -161,8 +163,8 @@ def run_placement(
 
 
 def shard_for_sampling(model, world: dist.ProcessGroup, device: torch.device):
-    """Shard ``model`` over ``world`` with training's FSDP2 units (``apply_fsdp``), in the dtype it was
-    loaded in (as replicated sampling runs it), every unit freed after its forward (no backward
+    """Shard ``model`` over ``world`` with training's FSDP2 units (``apply_fsdp``), in its compute dtype
+    (fp32, or bf16 under ``--precision bf16``: one dtype, as FSDP2 gathers a unit in one), every unit freed after its forward (no backward
     follows); the shards move to ``device``."""
     if getattr(model, "boundary_ratio", None) is not None:
         # the lockstep rounds' empty forwards would have to pick the expert the other ranks run
@@ -170,15 +172,18 @@ def shard_for_sampling(model, world: dist.ProcessGroup, device: torch.device):
             "sharded sampling (--fsdp per_layer, or auto when the weights do not fit) of a two-expert "
             "Wan2.2 A14B model is not supported yet; run with --fsdp none on GPUs that hold both experts"
         )
-    apply_fsdp(model, world, device, "fp32")
+    apply_fsdp(model, world, device, "fp32")  # "fp32": no policy cast, the weights' own dtype
     model.set_reshard_after_forward(True, recurse=True)
     return model
 
 
 @torch.no_grad()
 def empty_forward(model) -> None:
-    """A zero-token forward: this rank's part of every unit's all-gather, nothing else."""
-    empty_micro_batch_loss(model, next(model.parameters()).device)
+    """A zero-token forward: this rank's part of every unit's all-gather, nothing else (in the
+    weights' precision, as a real forward runs)."""
+    device = next(model.parameters()).device
+    with compute_precision(model, device):
+        empty_micro_batch_loss(model, device)
 
 
 def run_plan(
@@ -220,25 +225,42 @@ def plan_queue(
     memory_bytes: float | None,
     cfg_parallel: bool,
     sharded: bool = False,
+    resident_bytes: float = 0.0,
 ) -> SamplingPlan:
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
-    (memory priced with 1/W of the weights; lockstep rounds)."""
+    (memory priced with 1/W of the weights; lockstep rounds). Memory is priced in the DiT's compute
+    dtype, next to ``resident_bytes`` of the other models on every rank (``resident_bytes(sampler)``)."""
     jobs = [
         SamplingJob(
             request_tokens(model, vae, r), r.steps, r.guided, r.label(), r.frames * r.height * r.width
         )
         for r in requests
     ]
+    value_bytes = compute_dtype(model).itemsize  # 2: bf16 (--precision bf16), 4: fp32
     if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
-        # two experts (dit/experts.py) stay resident while one runs: the idle one's bf16 weights too
-        memory_bytes -= BYTES_BF16 * cost.dims.num_params / (world_size if sharded else 1)
+        # two experts (dit/experts.py) stay resident while one runs: the idle one's weights too
+        memory_bytes -= value_bytes * cost.dims.num_params / (world_size if sharded else 1)
     shards = world_size if sharded else 1
-    cap = None if memory_bytes is None else sampling_token_cap(cost.dims, memory_bytes, shards=shards)
+    cap = (
+        None
+        if memory_bytes is None
+        else sampling_token_cap(
+            cost.dims, memory_bytes, shards=shards, value_bytes=value_bytes, resident_bytes=resident_bytes
+        )
+    )
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel, sharded=sharded)
 
 
 def plan_with_weights(
-    fsdp: str, model, vae, requests, world_size: int, cost: CostModel, memory_bytes, cfg_parallel: bool
+    fsdp: str,
+    model,
+    vae,
+    requests,
+    world_size: int,
+    cost: CostModel,
+    memory_bytes,
+    cfg_parallel: bool,
+    resident: float = 0.0,
 ) -> tuple[str, SamplingPlan]:
     """``--fsdp`` -> (the weights mode used, 'none' or 'per_layer'; its plan). 'auto' keeps the
     weights replicated when every request fits next to them (no weight traffic), else shards them;
@@ -247,7 +269,9 @@ def plan_with_weights(
         raise ValueError(f"--fsdp {fsdp}: use one of {', '.join(SAMPLING_FSDP)}")
 
     def plan(sharded: bool) -> SamplingPlan:
-        return plan_queue(model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded)
+        return plan_queue(
+            model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded, resident
+        )
 
     if fsdp == "per_layer" and world_size > 1:
         return "per_layer", plan(True)
@@ -261,11 +285,24 @@ def plan_with_weights(
     return "per_layer", plan(True)  # its own error names what to lower when even sharding does not fit
 
 
-def check_memory(model, vae, requests: list[SampleRequest], memory_bytes: float) -> None:
+def check_memory(
+    model, vae, requests: list[SampleRequest], memory_bytes: float, resident: float = 0.0
+) -> None:
     """One process: a ValueError naming the first request whose forward does not fit
-    ``memory_bytes`` (the planner's check on a world of one rank)."""
+    ``memory_bytes`` next to ``resident`` bytes of other models (the planner's check on a world of
+    one rank)."""
     dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
-    plan_queue(model, vae, requests, 1, CostModel(dims, Hardware.load("h100")).forward(), memory_bytes, True)
+    cost = CostModel(dims, Hardware.load("h100")).forward()
+    plan_queue(model, vae, requests, 1, cost, memory_bytes, True, resident_bytes=resident)
+
+
+def resident_bytes(sampler) -> int:
+    """Bytes of the models besides the DiT that every rank holds while sampling: the text encoder,
+    the VAE and an image encoder (their weights; the built-in hashed encoder and a pixel-space model's
+    identity VAE hold none)."""
+    parts = (sampler.text_encoder, sampler.vae, sampler.image_encoder)
+    modules = [m.model for m in parts if isinstance(getattr(m, "model", None), torch.nn.Module)]
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
 def device_memory(device: torch.device, memory_gb: float | None) -> float | None:
@@ -307,7 +344,15 @@ def sample_queue_distributed(
     cost = sampling_cost_model(model, device, world, hardware)
     memory = device_memory(device, memory_gb)
     mode, plan = plan_with_weights(
-        fsdp, model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel
+        fsdp,
+        model,
+        sampler.vae,
+        todo_requests,
+        world_size,
+        cost,
+        memory,
+        cfg_parallel,
+        resident_bytes(sampler),
     )
     if mode == "per_layer":
         shard_for_sampling(model, world, device)
