@@ -126,11 +126,11 @@ def test_auto_shards_only_when_replicated_weights_leave_no_room():
 
 def _bf16_worker(rank, world_size):
     import torch.distributed as dist
+    from test_sampling_parallel import P
 
     from dit.sampler_setup import sampling_weights
     from dynamic_cp.runtime.groups import build_cp_groups
     from dynamic_cp.runtime.sampling import request_tokens, run_plan, shard_for_sampling
-    from test_sampling_parallel import P
 
     model = sampling_weights(make_model(lora=True), torch.bfloat16)  # as sample.py --precision bf16
     enc, cost = HashedTextEncoder(dim=16), cost_model(model)
@@ -140,7 +140,9 @@ def _bf16_worker(rank, world_size):
     placements, rounds, forwards = lockstep(cost, jobs, hand, world_size)
     plan = SamplingPlan(world_size, placements, {}, rounds, forwards)
     # this rank's one-process clips, in this process before sharding (same threads, same kernels)
-    references = {p.job: sample_request(model, enc, None, FSDP_REQUESTS[p.job]) for p in hand if p.owner == rank}
+    references = {
+        p.job: sample_request(model, enc, None, FSDP_REQUESTS[p.job]) for p in hand if p.owner == rank
+    }
     shard_for_sampling(model, dist.group.WORLD, torch.device("cpu"))
     dtypes = {p.dtype for p in model.parameters()}
     videos = {}
