@@ -130,14 +130,15 @@ def branch_velocity(
 
 def compute_dtype(model) -> torch.dtype:
     """The dtype the DiT computes in: its linear layers' weights (bf16 under ``sample.py --precision
-    bf16``; the norms, time embedding and modulation stay fp32 either way, see ``cast_weights``)."""
-    return next(m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear))
+    bf16``), else its first parameter's (a model without linear layers), else fp32."""
+    linear = next((m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
+    return linear if linear is not None else next((p.dtype for p in model.parameters()), torch.float32)
 
 
 def compute_precision(model, device: torch.device):
-    """Autocast to the weights' dtype when they are not fp32: the fp32 latents, text embeddings and
-    the fp32-kept modules' outputs meet bf16 weights in bf16 matmuls, as diffusers' bf16 pipelines
-    run. fp32 weights leave the caller's setting alone (the trainer's previews run its autocast)."""
+    """Autocast to the weights' dtype when they are not fp32: the fp32 latents and text embeddings
+    meet bf16 weights in bf16 matmuls, and the model's output is cast back for the fp32 Euler steps.
+    fp32 weights leave the caller's setting alone (the trainer's previews run under its autocast)."""
     dtype = compute_dtype(model)
     return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 

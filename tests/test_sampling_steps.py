@@ -532,3 +532,22 @@ def test_a_clip_h264_cannot_hold_is_refused_naming_the_request_and_the_fix():
     check_writable([odd], 2)  # 14 x 16 pixels once enlarged: even
     with pytest.raises(ValueError, match="a 24x21 clip"):
         check_writable([odd], 3)
+
+
+def test_the_weights_dtype_sets_the_compute_precision():
+    """bf16 weights (``sample.py --precision bf16``) run under bf16 autocast; fp32 weights leave the
+    caller's autocast as it is (the trainer's previews run under its own); a model without linear
+    layers takes its parameters' dtype. Planted: fp32 weights opening an autocast of their own (it
+    turns the caller's off), the dtype ignored."""
+    cpu = torch.device("cpu")
+    fp32 = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
+    bf16 = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    assert sampling.compute_dtype(fp32) == torch.float32 and sampling.compute_dtype(bf16) == torch.bfloat16
+    assert sampling.compute_dtype(ConstantVelocity().to(torch.bfloat16)) == torch.bfloat16
+    assert sampling.compute_dtype(torch.nn.Identity()) == torch.float32
+    with sampling.compute_precision(bf16, cpu):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with sampling.compute_precision(fp32, cpu):
+        assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), sampling.compute_precision(fp32, cpu):
+        assert torch.is_autocast_enabled("cpu")
