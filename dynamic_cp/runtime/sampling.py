@@ -87,6 +87,26 @@ def request_tokens(model, vae, request: SampleRequest) -> int:
     return f * h * w
 
 
+def high_steps(model, request: SampleRequest, num_tokens: int, shift) -> int | None:
+    """Of a two-expert model (``dit.experts.ExpertPair``): how many of the request's steps the high
+    expert runs (its scheduler's timesteps, the pair's own switch); None for one model."""
+    if getattr(model, "boundary_ratio", None) is None:
+        return None
+    timesteps = request_scheduler(request, num_tokens, shift).timesteps
+    return sum(model.expert_name_at(t) == "high" for t in timesteps)
+
+
+def sampling_jobs(model, vae, requests: list[SampleRequest], shift=None) -> list[SamplingJob]:
+    """The planner's view of ``requests``: tokens, steps, guidance, pixels and, of a two-expert
+    model, each request's high-expert steps at ``shift`` (the run's; None: by token count)."""
+    jobs = []
+    for r in requests:
+        n = request_tokens(model, vae, r)
+        pixels = r.frames * r.height * r.width
+        jobs.append(SamplingJob(n, r.steps, r.guided, r.label(), pixels, high_steps(model, r, n, shift)))
+    return jobs
+
+
 def sampling_cost_model(
     model, device: torch.device, world: dist.ProcessGroup, hardware: str | None
 ) -> CostModel:
@@ -123,8 +143,10 @@ def run_placement(
     groups: CPGroups,
     shift,
     image_encoder=None,
+    before_forward=None,
 ) -> torch.Tensor | None:
-    """Sample ``request`` on this rank's part of ``placement``; -> the video on the owner, else None."""
+    """Sample ``request`` on this rank's part of ``placement``; -> the video on the owner, else None.
+    ``before_forward(t)``: called before each step's forward (``RoundForwards.before``)."""
     rank = groups.rank
     prep = prepare(model, text_encoder, vae, request, image_encoder)
     n = prep.num_tokens
@@ -145,6 +167,8 @@ def run_placement(
         partner = other[ranks.index(rank)]
 
     def velocities(x, t):
+        if before_forward is not None:
+            before_forward(t)
         v = prep.velocity(model, x, t, attention, token_range, texts)  # (k*n/c, p)
         if group is not None:
             v = gather_shards(v, group, info)  # (k*n, p)
@@ -163,22 +187,63 @@ def run_placement(
 def shard_for_sampling(model, world: dist.ProcessGroup, device: torch.device):
     """Shard ``model`` over ``world`` with training's FSDP2 units (``apply_fsdp``), in the dtype it was
     loaded in (as replicated sampling runs it), every unit freed after its forward (no backward
-    follows); the shards move to ``device``."""
-    if getattr(model, "boundary_ratio", None) is not None:
-        # the lockstep rounds' empty forwards would have to pick the expert the other ranks run
-        raise ValueError(
-            "sharded sampling (--fsdp per_layer, or auto when the weights do not fit) of a two-expert "
-            "Wan2.2 A14B model is not supported yet; run with --fsdp none on GPUs that hold both experts"
-        )
-    apply_fsdp(model, world, device, "fp32")
-    model.set_reshard_after_forward(True, recurse=True)
+    follows); the shards move to ``device``. Two experts are sharded each on its own, as training's
+    ``model.expert=both`` does (``FSDPTrainer._shard_model``): a forward gathers only its expert."""
+    for dit in _dits(model):
+        apply_fsdp(dit, world, device, "fp32")
+        dit.set_reshard_after_forward(True, recurse=True)
     return model
 
 
+def _dits(model) -> list[torch.nn.Module]:
+    """The VideoDiTs of ``model``: the experts of an ``ExpertPair`` (high first), else the model."""
+    return [model.high, model.low] if getattr(model, "boundary_ratio", None) is not None else [model]
+
+
 @torch.no_grad()
-def empty_forward(model) -> None:
-    """A zero-token forward: this rank's part of every unit's all-gather, nothing else."""
-    empty_micro_batch_loss(model, next(model.parameters()).device)
+def empty_forward(model, expert: str | None = None) -> None:
+    """A zero-token forward: this rank's part of every unit's all-gather, nothing else. Of a
+    two-expert model, of ``expert`` ('high' or 'low'): the one the other ranks run."""
+    dit = model if expert is None else getattr(model, expert)
+    empty_micro_batch_loss(dit, next(dit.parameters()).device)
+
+
+class RoundForwards:
+    """One rank's forwards in one lockstep round (``SamplingPlan.phases``): ``counts[e]`` forwards of
+    expert e, in order, whatever this rank runs. ``before(t)`` comes before each of its request's
+    forwards (at timestep t): at the first forward of the low expert it pads the high phase with empty
+    forwards, so every rank gathers the high expert H_k times before any rank gathers the low one.
+    ``finish()`` pads what is left (a rank with no request pads everything)."""
+
+    def __init__(self, model, counts: tuple[int, ...]):
+        self.model = model
+        self.experts = ["high", "low"] if getattr(model, "boundary_ratio", None) is not None else [None]
+        if len(counts) != len(self.experts):
+            raise ValueError(
+                f"a plan of {len(counts)}-phase rounds for a model of {len(self.experts)} expert(s); "
+                "plan with this model (plan_queue)"
+            )
+        self.left = dict(zip(self.experts, counts))
+
+    def before(self, t: torch.Tensor) -> None:
+        expert = None if self.experts == [None] else self.model.expert_name_at(t)
+        for earlier in self.experts[: self.experts.index(expert)]:
+            self._pad(earlier)
+        if self.left[expert] < 1:  # planned with another shift or boundary: stop before the gathers mismatch
+            raise RuntimeError(
+                f"a request runs more forwards of expert {expert} than its lockstep round planned; "
+                "plan with the run's --shift (plan_queue's shift)"
+            )
+        self.left[expert] -= 1
+
+    def _pad(self, expert) -> None:
+        for _ in range(self.left[expert]):
+            empty_forward(self.model, expert)
+        self.left[expert] = 0
+
+    def finish(self) -> None:
+        for expert in self.experts:
+            self._pad(expert)
 
 
 def run_plan(
@@ -198,17 +263,18 @@ def run_plan(
     rounds = plan.rounds if plan.rounds is not None else [[i] for i in range(len(plan.placements))]
     for k, members in enumerate(rounds):
         mine = [plan.placements[i] for i in members if groups.rank in plan.placements[i].all_ranks]
-        forwards = 0
+        lockstep = RoundForwards(model, plan.phases(k)) if plan.rounds is not None else None
         for placement in mine:  # at most one under rounds
             request = requests[placement.job]
             t0 = time.perf_counter()
-            video = run_placement(model, text_encoder, vae, request, placement, groups, shift, image_encoder)
-            forwards += request.steps
+            video = run_placement(
+                model, text_encoder, vae, request, placement, groups, shift, image_encoder,
+                None if lockstep is None else lockstep.before,
+            )  # fmt: skip
             if video is not None:
                 on_done(request, video, placement, time.perf_counter() - t0)
-        if plan.rounds is not None:
-            for _ in range(plan.round_forwards[k] - forwards):
-                empty_forward(model)
+        if lockstep is not None:
+            lockstep.finish()
 
 
 def plan_queue(
@@ -220,15 +286,12 @@ def plan_queue(
     memory_bytes: float | None,
     cfg_parallel: bool,
     sharded: bool = False,
+    shift=None,
 ) -> SamplingPlan:
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
-    (memory priced with 1/W of the weights; lockstep rounds)."""
-    jobs = [
-        SamplingJob(
-            request_tokens(model, vae, r), r.steps, r.guided, r.label(), r.frames * r.height * r.width
-        )
-        for r in requests
-    ]
+    (memory priced with 1/W of the weights; lockstep rounds, in two expert phases for two experts at
+    the run's ``shift``)."""
+    jobs = sampling_jobs(model, vae, requests, shift)
     if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
         # two experts (dit/experts.py) stay resident while one runs: the idle one's bf16 weights too
         memory_bytes -= BYTES_BF16 * cost.dims.num_params / (world_size if sharded else 1)
@@ -238,7 +301,15 @@ def plan_queue(
 
 
 def plan_with_weights(
-    fsdp: str, model, vae, requests, world_size: int, cost: CostModel, memory_bytes, cfg_parallel: bool
+    fsdp: str,
+    model,
+    vae,
+    requests,
+    world_size: int,
+    cost: CostModel,
+    memory_bytes,
+    cfg_parallel: bool,
+    shift=None,
 ) -> tuple[str, SamplingPlan]:
     """``--fsdp`` -> (the weights mode used, 'none' or 'per_layer'; its plan). 'auto' keeps the
     weights replicated when every request fits next to them (no weight traffic), else shards them;
@@ -247,7 +318,7 @@ def plan_with_weights(
         raise ValueError(f"--fsdp {fsdp}: use one of {', '.join(SAMPLING_FSDP)}")
 
     def plan(sharded: bool) -> SamplingPlan:
-        return plan_queue(model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded)
+        return plan_queue(model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded, shift)
 
     if fsdp == "per_layer" and world_size > 1:
         return "per_layer", plan(True)
@@ -307,7 +378,7 @@ def sample_queue_distributed(
     cost = sampling_cost_model(model, device, world, hardware)
     memory = device_memory(device, memory_gb)
     mode, plan = plan_with_weights(
-        fsdp, model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel
+        fsdp, model, sampler.vae, todo_requests, world_size, cost, memory, cfg_parallel, shift
     )
     if mode == "per_layer":
         shard_for_sampling(model, world, device)
