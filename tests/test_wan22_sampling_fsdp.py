@@ -16,11 +16,15 @@ Tolerance: test_sampling_parallel's TOL (1e-5), derived there; FSDP gathers the 
 
 Planted bugs, each seen to fail and then restored:
 - ``RoundForwards.before`` not padding the high phase at the switch (its padding then comes after
-  the low forwards, in ``finish``): a rank's low forward all-gathers with another rank's empty high
-  forward (the experts have the same shapes, so gloo does not notice): W=2's request 5 differs by
-  1.1e-1, W=3's request 4 by 1.3e-1;
-- ``empty_forward`` running the other expert: the same mismatch, request 5 off by 1.1e-1;
-- ``shard_for_sampling`` sharding only the high expert: the 1/W check on the low expert fails.
+  the low forwards, in ``finish``): a rank's low forwards all-gather with another rank's empty high
+  forwards (the experts have the same shapes, so gloo does not notice): request 3 differs by 3.0e-1
+  on W=2 and 6.4e-1 on W=3;
+- ``empty_forward`` running the other expert: the same kind of mismatch, request 3 off by 3.3e-1
+  (W=2) and 1.5 (W=3);
+- ``shard_for_sampling`` sharding only the high expert: the 1/W check on the low expert fails;
+- the empty forward of the image-to-video model without its zero CLIP tokens (``fsdp.empty_micro_batch_loss``):
+  the sharded I2V test fails (the model refuses a forward without image embeddings).
+A hang would end in gloo's timeout: the runs pass ``timeout_s=60``.
 """
 
 from __future__ import annotations
@@ -148,8 +152,8 @@ def _i2v_worker(rank, world_size, requests, clip_path):
 
 def test_sharded_image_to_video_gives_the_one_process_clips(tmp_path):
     """An image-to-video request (condition channels and CLIP tokens) beside a shorter one, on 2
-    ranks with the weights sharded: both equal the one-process clips. Planted: the condition left out
-    of rank 1's shard of the forward (``condition=None`` in ``Prepared.velocity`` on rank 1) -> fails."""
+    ranks with the weights sharded: both equal the one-process clips. Planted: the empty forwards
+    without CLIP tokens -> fails (module docstring)."""
     import imageio.v2 as imageio
     from conftest import save_small_clip
 
