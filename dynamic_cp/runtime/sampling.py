@@ -31,6 +31,14 @@ can wait on a rank that waits on another collective. Why shard over the world ra
 each CP group: a rank belongs to a group of every size, and the plan moves it between sizes; one
 sharding over all ranks is one copy of the weights (1/W each), as training keeps it.
 
+Two experts (Wan2.2 A14B, ``dit.experts.ExpertPair``): each expert is sharded on its own, as training's
+``model.expert=both`` shards them, so a forward gathers only its expert's units. A request runs its
+high expert's forwards, then its low expert's, switching where its timesteps cross the boundary. A
+round then runs in two phases (``SamplingPlan.phases``): every rank runs H_k forwards of the high
+expert (its request's, then empty ones of the high expert), then L_k of the low expert. The empty
+high forwards come at the switch, inside the request's denoising loop (``RoundForwards.before``, called
+before each step's forward), so no rank gathers the low expert while another still gathers the high.
+
 Legend: n = tokens of one branch, p = patch values, k = branches in one forward, c = CP group size.
 """
 
