@@ -175,3 +175,29 @@ def test_sharded_image_to_video_gives_the_one_process_clips(tmp_path):
     for i, video in owned.items():
         diff = float((video - refs[i]).abs().max())
         assert diff <= TOL, f"sharded image-to-video request {i} differs from one process by {diff:.2e}"
+
+
+def test_round_forwards_pad_the_high_phase_at_the_switch():
+    """One process, replicated experts (an empty forward is then a plain zero-token forward): a rank
+    in a round of (H, L) = (3, 2) whose request runs 1 high and 1 low forward runs the high expert 3
+    times before its first low forward, then 2 low forwards in all. A forward beyond the round's
+    count is an error, as is a one-phase plan for two experts. Planted: no padding at the switch ->
+    no empty high forward before the low one, fails."""
+    from dynamic_cp.runtime.sampling import RoundForwards
+
+    model = pair()
+    calls = []
+    for name in ("high", "low"):
+        getattr(model, name).register_forward_hook(lambda *_, n=name: calls.append(n))
+    lockstep = RoundForwards(model, (3, 2))
+    lockstep.before(torch.tensor(1000.0))  # the request's high forward (its forward is not run here)
+    lockstep.before(torch.tensor(500.0))  # its low forward: the high phase is padded first
+    assert calls == ["high", "high"]  # two empty high forwards: 1 real + 2 = 3
+    lockstep.finish()
+    assert calls == ["high", "high", "low"]  # one empty low forward: 1 real + 1 = 2
+    over = RoundForwards(model, (1, 1))
+    over.before(torch.tensor(1000.0))
+    with pytest.raises(RuntimeError, match="more forwards of expert high than its lockstep round"):
+        over.before(torch.tensor(999.0))
+    with pytest.raises(ValueError, match="a plan of 1-phase rounds for a model of 2 expert"):
+        RoundForwards(model, (4,))
