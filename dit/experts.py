@@ -39,10 +39,14 @@ class ExpertPair(nn.Module):
         """The experts' shared shape (patch, channels, widths): the high expert's config."""
         return self.high.config
 
-    def expert_at(self, timesteps: torch.Tensor) -> nn.Module:
+    def expert_name_at(self, timesteps: torch.Tensor) -> str:
+        """'high' or 'low': the expert the pipeline runs at ``timesteps`` (b,), or at one scalar t."""
         high = on_expert_side(timesteps.float(), "high", self.boundary_ratio)
         assert bool(high.all()) or not bool(high.any()), "one forward call mixes the experts' timesteps"
-        return self.high if bool(high.all()) else self.low
+        return "high" if bool(high.all()) else "low"
+
+    def expert_at(self, timesteps: torch.Tensor) -> nn.Module:
+        return getattr(self, self.expert_name_at(timesteps))
 
     def save_pretrained(self, directory) -> None:
         """A Wan2.2 A14B-shaped folder: ``transformer/`` (high), ``transformer_2/`` (low) and a

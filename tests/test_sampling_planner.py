@@ -544,3 +544,29 @@ def test_the_descent_goes_on_while_a_pass_improves():
     plan = plan_sampling(jobs, 8, WAN14, CAP)
     assert plan.makespan < 381  # one pass: 384.9 s, two: 377.0 s (the cost model's, no noise)
     assert min(_makespans_one_option_away(jobs, plan, 8)) >= plan.makespan
+
+
+def test_a_two_expert_round_runs_the_high_phase_then_the_low_phase():
+    """By hand, 2 ranks, two experts: request 0 (4 steps of 1 s, 3 of them high, rank 0) beside
+    request 1 (4 steps of 2 s, 1 high, rank 1). Every rank runs H = 3 high forwards, then L = 3 low
+    ones: 6 forwards, not max(h + l) = 4. High: 2 s (both), 1 s, 1 s (request 0 only; rank 1 pads);
+    low: 2 s (both; request 0 ends), 2 s, 2 s (request 1 ends). Plus one block's gather each. One
+    model's jobs keep one phase. Planted: the round priced as max(h + l) forwards of one phase (the
+    one-expert rule) -> fails (forwards [4], ends at 8 s)."""
+    from dynamic_cp.planning.fsdp_cost import WeightTraffic
+    from dynamic_cp.planning.sampling_planner import Placement, lockstep, round_phases
+
+    jobs = [SamplingJob(10, 4, False, high_steps=3), SamplingJob(10, 4, False, high_steps=1)]
+    assert [j.phases for j in jobs] == [(3, 1), (1, 3)] and SamplingJob(10, 4, False).phases == (4,)
+    placements = [Placement(0, (0,), None, (1, 1), 0.0, 4.0), Placement(1, (1,), None, (1, 1), 0.0, 8.0)]
+    out, rounds, forwards = lockstep(WAN14, jobs, placements, 2)
+    traffic = WeightTraffic.of(WAN14, 2)
+    assert traffic.gather_s < 1  # the gathers hide behind compute here
+    per = traffic.gather_s / traffic.layers
+    assert rounds == [[0, 1]] and forwards == [6] and round_phases(jobs, out, rounds) == [(3, 3)]
+    assert out[0].end == pytest.approx(2 + 1 + 1 + 2 + 4 * per)
+    assert out[1].end == pytest.approx(2 + 1 + 1 + 2 + 2 + 2 + 6 * per)
+    # the planner's sharded plan carries the phases, summing to each round's forwards
+    plan = plan_sampling(jobs, 2, WAN14, CAP, sharded=True)
+    assert [sum(p) for p in plan.round_phases] == plan.round_forwards
+    assert all(plan.phases(k) == plan.round_phases[k] for k in range(len(plan.rounds)))

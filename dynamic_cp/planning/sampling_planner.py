@@ -33,6 +33,13 @@ max(its slowest request's step, the weights' all-gather) + one block's gather th
 cannot hide (``fsdp_cost.WeightTraffic``). Every candidate above is re-timed as rounds and the
 shortest wins, so a plan whose short requests would wait on a long one in every round loses to one
 that runs like requests side by side.
+
+Two experts (Wan2.2 A14B, ``SamplingJob.high_steps``): each expert is sharded on its own, so a
+forward gathers one expert's weights, and a request runs h forwards of the high-noise expert, then l
+of the low-noise one. A round then runs in two phases: H_k forwards of the high expert (each rank its
+request's h, then empty ones), then L_k of the low expert, H_k and L_k the members' maxima
+(``round_phases``). That is H_k + L_k forwards, up to twice max(h + l) when one request switches
+early and another late: the extra empty forwards are the price of sharding two experts.
 """
 
 from __future__ import annotations
@@ -57,6 +64,14 @@ class SamplingJob:
     guided: bool  # runs an unconditional branch too
     name: str = ""  # what errors call it ("queue.jsonl line 3")
     pixels: int = 0  # frames x height x width of the decoded clip (prices its VAE decode; 0: not priced)
+    # two experts (Wan2.2 A14B): how many of the steps the high-noise expert runs, first (the rest run
+    # the low-noise one); None: one model
+    high_steps: int | None = None
+
+    @property
+    def phases(self) -> tuple[int, ...]:
+        """Forwards of each expert in the order they run: (steps,), or (high, low) for two experts."""
+        return (self.steps,) if self.high_steps is None else (self.high_steps, self.steps - self.high_steps)
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,13 @@ class SamplingPlan:
     # pairwise disjoint ranks; every rank runs ``round_forwards[k]`` forwards in round k
     rounds: list[list[int]] | None = None
     round_forwards: list[int] | None = None
+    # two experts: round k's forwards per expert phase, (H_k, L_k), summing to round_forwards[k]
+    round_phases: list[tuple[int, ...]] | None = None
+
+    def phases(self, k: int) -> tuple[int, ...]:
+        """Round k's forwards of each expert, in order: every rank runs this many of the first
+        expert (its request's, then empty ones), then of the second. One model: (round_forwards[k],)."""
+        return self.round_phases[k] if self.round_phases is not None else (self.round_forwards[k],)
 
     @property
     def makespan(self) -> float:
@@ -274,33 +296,55 @@ def _makespan(placements: list[Placement]) -> float:
     return max((p.done for p in placements), default=0.0)
 
 
+def round_phases(jobs: list[SamplingJob], placements: list[Placement], rounds: list[list[int]]):
+    """Each round's forwards per expert phase: the members' maxima, (H_k, L_k) for two experts, so
+    a round runs H_k + L_k forwards (not max(h + l): a request that switches later than another
+    still waits for the other's low forwards). One model: (the most steps,)."""
+    out = []
+    for members in rounds:
+        phases = [jobs[placements[i].job].phases for i in members]
+        assert len({len(p) for p in phases}) == 1, "one plan mixes one-expert and two-expert jobs"
+        out.append(tuple(max(column) for column in zip(*phases)))
+    return out
+
+
 def lockstep(
     cost: CostModel, jobs: list[SamplingJob], placements: list[Placement], world_size: int
 ) -> tuple[list[Placement], list[list[int]], list[int]]:
     """``placements`` (in execution order) as FSDP's lockstep rounds -> (the placements re-timed, in
-    round order; the rounds as indices into them; each round's number of forwards). See the module
-    docstring for a round's price."""
+    round order; the rounds as indices into them; each round's number of forwards, summed over the
+    expert phases, ``round_phases``). See the module docstring for a round's price."""
     as_plan = Plan([(p.all_ranks, [p.job]) for p in placements], world_size, float("inf"))
     traffic = WeightTraffic.of(cost, world_size)
     out, rounds, forwards = [], [], []
     clock = 0.0
-    for members in lockstep_rounds(as_plan, world_size).rounds:
-        steps = [jobs[placements[i].job].steps for i in members]
+    grouped = lockstep_rounds(as_plan, world_size).rounds
+    for members, counts in zip(grouped, round_phases(jobs, placements, grouped)):
+        phases = [jobs[placements[i].job].phases for i in members]
+        steps = [sum(p) for p in phases]
         step_s = [(placements[i].end - placements[i].start) / s for i, s in zip(members, steps)]
-        start, ends = clock, [0.0] * len(members)
-        for j in range(max(steps)):
-            slowest = max(t for t, s in zip(step_s, steps) if s > j)
-            clock += max(slowest, traffic.gather_s) + traffic.gather_s / traffic.layers
-            ends = [clock if s == j + 1 else e for e, s in zip(ends, steps)]
-            # the owners of the requests ending here decode before their next forward, and every
-            # other rank waits in that forward's all-gather
-            clock += max((placements[i].decode for i, s in zip(members, steps) if s == j + 1), default=0.0)
+        start, ends, done = clock, [0.0] * len(members), [0] * len(members)
+        # an expert phase at a time: forward j of phase e runs the members with more than j forwards
+        # of expert e; the others run empty forwards of that expert (zero tokens: the gather only)
+        for e, count in enumerate(counts):
+            for j in range(count):
+                running = [m for m, p in enumerate(phases) if p[e] > j]
+                slowest = max(step_s[m] for m in running)
+                clock += max(slowest, traffic.gather_s) + traffic.gather_s / traffic.layers
+                for m in running:
+                    done[m] += 1
+                ending = [m for m in running if done[m] == steps[m]]
+                for m in ending:
+                    ends[m] = clock
+                # the owners of the requests ending here decode before their next forward, and every
+                # other rank waits in that forward's all-gather
+                clock += max((placements[members[m]].decode for m in ending), default=0.0)
         rounds.append(list(range(len(out), len(out) + len(members))))
         out += [
             Placement(p.job, p.ranks, p.cfg_ranks, p.layout, start, end, p.decode)
             for p, end in zip((placements[i] for i in members), ends)
         ]
-        forwards.append(max(steps))
+        forwards.append(sum(counts))
     return out, rounds, forwards
 
 
@@ -405,4 +449,5 @@ def _best(cost, jobs, candidates, world_size: int, sharded: bool) -> SamplingPla
         return SamplingPlan(world_size, best, {"policy": policy})
     timed = [(policy, lockstep(cost, jobs, placements, world_size)) for policy, placements in candidates]
     policy, (best, rounds, forwards) = min(timed, key=lambda c: _makespan(c[1][0]))
-    return SamplingPlan(world_size, best, {"policy": policy + ", lockstep rounds"}, rounds, forwards)
+    phases = round_phases(jobs, best, rounds)
+    return SamplingPlan(world_size, best, {"policy": policy + ", lockstep rounds"}, rounds, forwards, phases)

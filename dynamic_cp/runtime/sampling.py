@@ -31,6 +31,14 @@ can wait on a rank that waits on another collective. Why shard over the world ra
 each CP group: a rank belongs to a group of every size, and the plan moves it between sizes; one
 sharding over all ranks is one copy of the weights (1/W each), as training keeps it.
 
+Two experts (Wan2.2 A14B, ``dit.experts.ExpertPair``): each expert is sharded on its own, as training's
+``model.expert=both`` shards them, so a forward gathers only its expert's units. A request runs its
+high expert's forwards, then its low expert's, switching where its timesteps cross the boundary. A
+round then runs in two phases (``SamplingPlan.phases``): every rank runs H_k forwards of the high
+expert (its request's, then empty ones of the high expert), then L_k of the low expert. The empty
+high forwards come at the switch, inside the request's denoising loop (``RoundForwards.before``, called
+before each step's forward), so no rank gathers the low expert while another still gathers the high.
+
 Legend: n = tokens of one branch, p = patch values, k = branches in one forward, c = CP group size.
 """
 
@@ -89,6 +97,26 @@ def request_tokens(model, vae, request: SampleRequest) -> int:
     return f * h * w
 
 
+def high_steps(model, request: SampleRequest, num_tokens: int, shift) -> int | None:
+    """Of a two-expert model (``dit.experts.ExpertPair``): how many of the request's steps the high
+    expert runs (its scheduler's timesteps, the pair's own switch); None for one model."""
+    if getattr(model, "boundary_ratio", None) is None:
+        return None
+    timesteps = request_scheduler(request, num_tokens, shift).timesteps
+    return sum(model.expert_name_at(t) == "high" for t in timesteps)
+
+
+def sampling_jobs(model, vae, requests: list[SampleRequest], shift=None) -> list[SamplingJob]:
+    """The planner's view of ``requests``: tokens, steps, guidance, pixels and, of a two-expert
+    model, each request's high-expert steps at ``shift`` (the run's; None: by token count)."""
+    jobs = []
+    for r in requests:
+        n = request_tokens(model, vae, r)
+        pixels = r.frames * r.height * r.width
+        jobs.append(SamplingJob(n, r.steps, r.guided, r.label(), pixels, high_steps(model, r, n, shift)))
+    return jobs
+
+
 def sampling_cost_model(
     model, device: torch.device, world: dist.ProcessGroup, hardware: str | None
 ) -> CostModel:
@@ -125,8 +153,10 @@ def run_placement(
     groups: CPGroups,
     shift,
     image_encoder=None,
+    before_forward=None,
 ) -> torch.Tensor | None:
-    """Sample ``request`` on this rank's part of ``placement``; -> the video on the owner, else None."""
+    """Sample ``request`` on this rank's part of ``placement``; -> the video on the owner, else None.
+    ``before_forward(t)``: called before each step's forward (``RoundForwards.before``)."""
     rank = groups.rank
     prep = prepare(model, text_encoder, vae, request, image_encoder)
     n = prep.num_tokens
@@ -147,6 +177,8 @@ def run_placement(
         partner = other[ranks.index(rank)]
 
     def velocities(x, t):
+        if before_forward is not None:
+            before_forward(t)
         v = prep.velocity(model, x, t, attention, token_range, texts)  # (k*n/c, p)
         if group is not None:
             v = gather_shards(v, group, info)  # (k*n, p)
@@ -164,26 +196,68 @@ def run_placement(
 
 def shard_for_sampling(model, world: dist.ProcessGroup, device: torch.device):
     """Shard ``model`` over ``world`` with training's FSDP2 units (``apply_fsdp``), in its compute dtype
-    (fp32, or bf16 under ``--precision bf16``: one dtype, as FSDP2 gathers a unit in one), every unit freed after its forward (no backward
-    follows); the shards move to ``device``."""
-    if getattr(model, "boundary_ratio", None) is not None:
-        # the lockstep rounds' empty forwards would have to pick the expert the other ranks run
-        raise ValueError(
-            "sharded sampling (--fsdp per_layer, or auto when the weights do not fit) of a two-expert "
-            "Wan2.2 A14B model is not supported yet; run with --fsdp none on GPUs that hold both experts"
-        )
-    apply_fsdp(model, world, device, "fp32")  # "fp32": no policy cast, the weights' own dtype
-    model.set_reshard_after_forward(True, recurse=True)
+    (fp32, or bf16 under ``--precision bf16``: one dtype, as FSDP2 gathers a unit in one), every unit
+    freed after its forward (no backward follows); the shards move to ``device``. Two experts are
+    sharded each on its own, as training's ``model.expert=both`` does (``FSDPTrainer._shard_model``):
+    a forward gathers only its expert."""
+    for dit in _dits(model):
+        apply_fsdp(dit, world, device, "fp32")  # "fp32": no policy cast, the weights' own dtype
+        dit.set_reshard_after_forward(True, recurse=True)
     return model
 
 
+def _dits(model) -> list[torch.nn.Module]:
+    """The VideoDiTs of ``model``: the experts of an ``ExpertPair`` (high first), else the model."""
+    return [model.high, model.low] if getattr(model, "boundary_ratio", None) is not None else [model]
+
+
 @torch.no_grad()
-def empty_forward(model) -> None:
+def empty_forward(model, expert: str | None = None) -> None:
     """A zero-token forward: this rank's part of every unit's all-gather, nothing else (in the
-    weights' precision, as a real forward runs)."""
-    device = next(model.parameters()).device
-    with compute_precision(model, device):
-        empty_micro_batch_loss(model, device)
+    weights' precision, as a real forward runs). Of a two-expert model, of ``expert`` ('high' or
+    'low'): the one the other ranks run."""
+    dit = model if expert is None else getattr(model, expert)
+    device = next(dit.parameters()).device
+    with compute_precision(dit, device):
+        empty_micro_batch_loss(dit, device)
+
+
+class RoundForwards:
+    """One rank's forwards in one lockstep round (``SamplingPlan.phases``): ``counts[e]`` forwards of
+    expert e, in order, whatever this rank runs. ``before(t)`` comes before each of its request's
+    forwards (at timestep t): at the first forward of the low expert it pads the high phase with empty
+    forwards, so every rank gathers the high expert H_k times before any rank gathers the low one.
+    ``finish()`` pads what is left (a rank with no request pads everything)."""
+
+    def __init__(self, model, counts: tuple[int, ...]):
+        self.model = model
+        self.experts = ["high", "low"] if getattr(model, "boundary_ratio", None) is not None else [None]
+        if len(counts) != len(self.experts):
+            raise ValueError(
+                f"a plan of {len(counts)}-phase rounds for a model of {len(self.experts)} expert(s); "
+                "plan with this model (plan_queue)"
+            )
+        self.left = dict(zip(self.experts, counts))
+
+    def before(self, t: torch.Tensor) -> None:
+        expert = None if self.experts == [None] else self.model.expert_name_at(t)
+        for earlier in self.experts[: self.experts.index(expert)]:
+            self._pad(earlier)
+        if self.left[expert] < 1:  # planned with another shift or boundary: stop before the gathers mismatch
+            raise RuntimeError(
+                f"a request runs more forwards of expert {expert} than its lockstep round planned; "
+                "plan with the run's --shift (plan_queue's shift)"
+            )
+        self.left[expert] -= 1
+
+    def _pad(self, expert) -> None:
+        for _ in range(self.left[expert]):
+            empty_forward(self.model, expert)
+        self.left[expert] = 0
+
+    def finish(self) -> None:
+        for expert in self.experts:
+            self._pad(expert)
 
 
 def run_plan(
@@ -203,17 +277,18 @@ def run_plan(
     rounds = plan.rounds if plan.rounds is not None else [[i] for i in range(len(plan.placements))]
     for k, members in enumerate(rounds):
         mine = [plan.placements[i] for i in members if groups.rank in plan.placements[i].all_ranks]
-        forwards = 0
+        lockstep = RoundForwards(model, plan.phases(k)) if plan.rounds is not None else None
         for placement in mine:  # at most one under rounds
             request = requests[placement.job]
             t0 = time.perf_counter()
-            video = run_placement(model, text_encoder, vae, request, placement, groups, shift, image_encoder)
-            forwards += request.steps
+            video = run_placement(
+                model, text_encoder, vae, request, placement, groups, shift, image_encoder,
+                None if lockstep is None else lockstep.before,
+            )  # fmt: skip
             if video is not None:
                 on_done(request, video, placement, time.perf_counter() - t0)
-        if plan.rounds is not None:
-            for _ in range(plan.round_forwards[k] - forwards):
-                empty_forward(model)
+        if lockstep is not None:
+            lockstep.finish()
 
 
 def plan_queue(
@@ -226,16 +301,13 @@ def plan_queue(
     cfg_parallel: bool,
     sharded: bool = False,
     resident_bytes: float = 0.0,
+    shift=None,
 ) -> SamplingPlan:
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
-    (memory priced with 1/W of the weights; lockstep rounds). Memory is priced in the DiT's compute
-    dtype, next to ``resident_bytes`` of the other models on every rank (``resident_bytes(sampler)``)."""
-    jobs = [
-        SamplingJob(
-            request_tokens(model, vae, r), r.steps, r.guided, r.label(), r.frames * r.height * r.width
-        )
-        for r in requests
-    ]
+    (memory priced with 1/W of the weights; lockstep rounds, in two expert phases for two experts at
+    the run's ``shift``). Memory is priced in the DiT's compute dtype, next to ``resident_bytes`` of
+    the other models on every rank (``resident_bytes(sampler)``)."""
+    jobs = sampling_jobs(model, vae, requests, shift)
     value_bytes = compute_dtype(model).itemsize  # 2: bf16 (--precision bf16), 4: fp32
     if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
         # two experts (dit/experts.py) stay resident while one runs: the idle one's weights too
@@ -261,6 +333,7 @@ def plan_with_weights(
     memory_bytes,
     cfg_parallel: bool,
     resident: float = 0.0,
+    shift=None,
 ) -> tuple[str, SamplingPlan]:
     """``--fsdp`` -> (the weights mode used, 'none' or 'per_layer'; its plan). 'auto' keeps the
     weights replicated when every request fits next to them (no weight traffic), else shards them;
@@ -270,7 +343,7 @@ def plan_with_weights(
 
     def plan(sharded: bool) -> SamplingPlan:
         return plan_queue(
-            model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded, resident
+            model, vae, requests, world_size, cost, memory_bytes, cfg_parallel, sharded, resident, shift
         )
 
     if fsdp == "per_layer" and world_size > 1:
@@ -353,6 +426,7 @@ def sample_queue_distributed(
         memory,
         cfg_parallel,
         resident_bytes(sampler),
+        shift,
     )
     if mode == "per_layer":
         shard_for_sampling(model, world, device)
