@@ -417,6 +417,21 @@ def test_token_cap_by_hand():
         sampling_token_cap(dims, weights + 3071, memory_fraction=1.0)
     with pytest.raises(ValueError, match="sharded over 2.*sample on more ranks or larger GPUs"):
         sampling_token_cap(dims, weight_bytes(dims, 2) + 3071, memory_fraction=1.0, shards=2)
+    # fp32 weights and activations (--precision no): 4 bytes a value, 6,144 bytes a token; the text
+    # encoder and VAE every rank holds come off the top (planted: added instead, the dtype's name)
+    assert weight_bytes(dims, value_bytes=4) == 2 * weights
+    fp32 = dict(memory_fraction=1.0, value_bytes=4)
+    assert sampling_token_cap(dims, 2 * weights + 10 * 6144 + 5000, resident_bytes=5000, **fp32) == 10
+    with pytest.raises(
+        ValueError, match=r"fp32 weights \(0.0 GB a rank\) next to 0.0 GB of text encoder and VAE"
+    ):
+        sampling_token_cap(dims, 2 * weights + 6144, resident_bytes=1, **fp32)
+    with pytest.raises(ValueError, match=r"model's 8-byte weights .*larger GPUs \(or --precision bf16\)"):
+        sampling_token_cap(dims, weights, value_bytes=8)
+    with pytest.raises(
+        ValueError, match=r"model's bf16 weights \(0.0 GB a rank\) do not fit in 0 GB per rank; "
+    ):
+        sampling_token_cap(dims, weights, memory_fraction=1.0)
 
 
 def test_a_plan_tells_each_rank_its_placements_and_the_clip_owner():
