@@ -549,5 +549,8 @@ def test_the_weights_dtype_sets_the_compute_precision():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with sampling.compute_precision(fp32, cpu):
         assert not torch.is_autocast_enabled("cpu")
+    # the weights' dtype, not the device's default autocast dtype (fp16 on CUDA, bf16 on CPU)
+    with sampling.compute_precision(fp32.to(torch.float16), cpu):
+        assert torch.get_autocast_dtype("cpu") == torch.float16
     with torch.autocast("cpu", dtype=torch.bfloat16), sampling.compute_precision(fp32, cpu):
         assert torch.is_autocast_enabled("cpu")
