@@ -391,9 +391,10 @@ BLOCK = 1 << 21
 
 
 class LineBlock(NamedTuple):
-    """Whole lines of a file: ``data`` (``buf``: the same bytes as uint8) begins at byte ``base`` of the
-    file; line k is ``data[starts[k]:ends[k]]``, its newline left out. ``quotes``: the positions of '"'
-    in ``data`` where ``line_blocks`` was asked for quoted lines, else None."""
+    """Whole lines of a file from its byte ``base``: ``buf``, the block as uint8 (``len(buf)`` bytes);
+    ``data``, the bytes read from that byte on, which may run into the next block (cutting it would copy
+    a block), so line k is ``data[starts[k]:ends[k]]``, its newline left out. ``quotes``: the positions
+    of '"' in ``buf`` where ``line_blocks`` was asked for quoted lines, else None."""
 
     base: int
     data: bytes
@@ -424,9 +425,9 @@ def line_blocks(f, size: int = BLOCK, quoted: bool = False) -> Iterator[LineBloc
             continue
         cut = int(newlines[-1]) + 1 if block else len(data)  # at the end of the file: all that is left
         ends = newlines if len(newlines) and newlines[-1] + 1 == cut else np.append(newlines, cut)
-        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64, copy=False)
         kept = quotes[quotes < cut] if quoted else None
-        yield LineBlock(base, data[:cut], buf[:cut], starts, ends.astype(np.int64), kept)
+        yield LineBlock(base, data, buf[:cut], starts, ends.astype(np.int64, copy=False), kept)
         if not block:
             return
         base, rest = base + cut, data[cut:]

@@ -107,9 +107,9 @@ def _decimals(chars: np.ndarray, length: np.ndarray) -> np.ndarray | None:
 def _csv_block(block: LineBlock, fields, width):
     """A block of whole records -> (paths, values, has_info, captioned, record starts) as
     _Columns._append takes them, or None (see _read_csv_fast)."""
-    data, buf, quotes, starts, ends = block.data, block.buf, block.quotes, block.starts, block.ends
+    buf, quotes, starts, ends = block.buf, block.quotes, block.starts, block.ends
     try:
-        data.decode("utf-8")
+        block.data[: len(buf)].decode("utf-8")
     except UnicodeDecodeError:
         return None
     ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == 13))  # a \r\n line ending

@@ -218,6 +218,23 @@ def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
         _same_tables(mt.read(str(tmp_path / name)), mt.read(str(tmp_path / name), False))
 
 
+def test_the_csv_fast_path_reads_utf8_that_a_block_cuts(tmp_path, monkeypatch):
+    """Captions of 2- and 3-byte UTF-8 characters at block sizes that end reads inside one: the fast
+    path checks only its block's whole records, so it still takes the file (not None) and equals the
+    row-by-row read. Planted: the UTF-8 check on all the bytes read (into the next block) -> the fast
+    path gives up on a cut character -> fails."""
+    from data import manifest_table as mt
+
+    rows = "".join(f"v{k}.mp4,café {'日本語' * k},33,64,64,16\n" for k in range(12))
+    (tmp_path / "u.csv").write_text("path,text,num_frames,height,width,fps\n" + rows, encoding="utf-8")
+    slow = mt.read(str(tmp_path / "u.csv"), fast=False)
+    for size in range(16, 90, 7):
+        monkeypatch.setattr(mt, "BLOCK", size)
+        fast = mt._read_csv_fast(str(tmp_path / "u.csv"))
+        assert fast is not None, size
+        _same_tables(fast, slow)
+
+
 def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
     """plan_rows' _distinct_rows (one int64 key a row) against np.unique(axis=0), on random metadata and
     on values too wide for 63 bits (the fallback). Planted: the key columns decoded in the wrong order
@@ -369,8 +386,11 @@ def test_line_blocks_are_the_lines_of_the_file_at_every_block_size():
                     got = []
                     for block in line_blocks(f, size, quoted):
                         assert block.data == (header + text)[block.base : block.base + len(block.data)]
+                        assert block.buf.tobytes() == block.data[: len(block.buf)]
                         bounds = zip(block.starts.tolist(), block.ends.tolist())
                         got += [(block.base + s - len(header), block.data[s:e]) for s, e in bounds]
                         if quoted:
-                            assert block.quotes.tolist() == [k for k, c in enumerate(block.data) if c == 34]
+                            assert block.quotes.tolist() == [
+                                k for k, c in enumerate(block.buf.tobytes()) if c == 34
+                            ]
                     assert got == want, (text, header, quoted, size)
