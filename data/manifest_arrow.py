@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from data.manifest import COLUMNS, PARQUET_EXTRA
-from data.manifest_columns import BLOCK, ManifestTable, Paths, _Columns, _FileRecords
+from data.manifest_columns import BLOCK, ManifestTable, Paths, _Columns, _FileRecords, line_blocks
 
 
 def _parquet(path: str):
@@ -190,28 +190,13 @@ _SPACE[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() strips: such a lin
 
 def _line_offsets(path: str) -> np.ndarray:
     """(rows,) int64 byte offset of each line of ``path`` that is not blank, in blocks of ``BLOCK``."""
-    out, base, rest = [], 0, b""
+    out = []
     with open(path, "rb") as f:
-        while True:
-            block = f.read(BLOCK)
-            data = rest + block
-            if not data:
-                break
-            buf = np.frombuffer(data, dtype=np.uint8)
-            newlines = np.flatnonzero(buf == 10)
-            if block and not len(newlines):
-                rest = data  # one line longer than the block: read more
-                continue
-            cut = int(newlines[-1]) + 1 if block else len(data)
-            ends = newlines[newlines < cut]
-            starts = np.concatenate([[0], ends + 1])
-            ends = np.append(ends, cut)
+        for block in line_blocks(f, BLOCK):
+            starts, ends = block.starts, block.ends
             # A line whose first byte is not blank is not blank; the few others are checked one by one.
-            keep = (ends > starts) & ~_SPACE[buf[np.minimum(starts, len(buf) - 1)]]
+            keep = (ends > starts) & ~_SPACE[block.buf[np.minimum(starts, len(block.buf) - 1)]]
             for k in np.flatnonzero(~keep).tolist():
-                keep[k] = bool(data[starts[k] : ends[k]].strip())
-            out.append(starts[keep] + base)
-            base, rest = base + cut, data[cut:]
-            if not block:
-                break
+                keep[k] = bool(block.data[starts[k] : ends[k]].strip())
+            out.append(starts[keep] + block.base)
     return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)

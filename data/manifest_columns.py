@@ -20,6 +20,8 @@ import io
 import json
 import os
 from array import array
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -383,5 +385,55 @@ def _padded(values: list[str]):
     return lambda k: values[k] if k < len(values) else None
 
 
-# bytes of CSV records parsed together by _read_csv_fast: transient arrays of a few times this
+# bytes read at a time by line_blocks' readers (the CSV fast path, JSONL line offsets): transient arrays
+# of a few times this
 BLOCK = 1 << 21
+
+
+class LineBlock(NamedTuple):
+    """Whole lines of a file from its byte ``base``: ``buf``, the block as uint8 (``len(buf)`` bytes);
+    ``data``, the bytes read from that byte on, which may run into the next block (cutting it would copy
+    a block), so line k is ``data[starts[k]:ends[k]]``, its newline left out. ``quotes``: the positions
+    of '"' in ``buf`` where ``line_blocks`` was asked for quoted lines, else None."""
+
+    base: int
+    data: bytes
+    buf: np.ndarray
+    starts: np.ndarray  # (lines,) int64
+    ends: np.ndarray  # (lines,) int64
+    quotes: np.ndarray | None
+
+
+def line_blocks(f, size: int = BLOCK, quoted: bool = False) -> Iterator[LineBlock]:
+    """The binary file ``f`` from its position to its end, as blocks of whole lines, ``size`` bytes read
+    at a time (a line longer than that is read on until it ends). Blank lines are kept; the last line
+    may lack its newline. quoted=True (CSV): a newline inside double quotes does not end a line, and
+    each block keeps its quotes; only the last block can hold an odd number (a quote left open)."""
+    base, rest = f.tell(), b""
+    while True:
+        block = f.read(size)
+        data = rest + block
+        if not data:
+            return
+        buf = np.frombuffer(data, dtype=np.uint8)
+        newlines = np.flatnonzero(buf == 10)
+        quotes = np.flatnonzero(buf == 34) if quoted else None
+        if quoted:
+            newlines = _outside(newlines, quotes)
+        if block and not len(newlines):
+            rest = data  # one line longer than the block: read more
+            continue
+        cut = int(newlines[-1]) + 1 if block else len(data)  # at the end of the file: all that is left
+        ends = newlines if len(newlines) and newlines[-1] + 1 == cut else np.append(newlines, cut)
+        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64, copy=False)
+        kept = quotes[quotes < cut] if quoted else None
+        yield LineBlock(base, data, buf[:cut], starts, ends.astype(np.int64, copy=False), kept)
+        if not block:
+            return
+        base, rest = base + cut, data[cut:]
+
+
+def _outside(positions: np.ndarray, quotes: np.ndarray) -> np.ndarray:
+    """The positions (of bytes that are not quotes) outside quoted fields: an even number of quote
+    characters before them (a doubled quote inside a field counts twice, so it keeps the parity)."""
+    return positions[np.searchsorted(quotes, positions) % 2 == 0]

@@ -14,7 +14,16 @@ import os
 import numpy as np
 
 from data.manifest import COLUMNS, MANIFEST_EXTS, Row
-from data.manifest_columns import BLOCK, ManifestTable, Paths, _Columns, _FileRecords
+from data.manifest_columns import (
+    BLOCK,
+    LineBlock,
+    ManifestTable,
+    Paths,
+    _Columns,
+    _FileRecords,
+    _outside,
+    line_blocks,
+)
 from data.readers import VideoInfo
 
 __all__ = ["BLOCK", "ManifestTable", "plan_rows", "read", "read_manifest", "read_table"]
@@ -58,43 +67,18 @@ def _read_csv_fast(path: str) -> ManifestTable | None:
             return None
         records.fields, width = fields, len(fields)
         columns = _Columns(records.root, path)
-        offsets, base, rest = [], len(header), b""
-        while True:
-            block = f.read(BLOCK)
-            data = rest + block
-            if not data:
-                break
-            buf = np.frombuffer(data, dtype=np.uint8)
-            quotes = np.flatnonzero(buf == 34)  # a byte is inside quotes after an odd number of them
-            newlines = _outside(np.flatnonzero(buf == 10), quotes)
-            if block and not len(newlines):
-                rest = data  # one record longer than the block: read more
-                continue
-            if not block and len(quotes) % 2:
+        offsets = []
+        for block in line_blocks(f, BLOCK, quoted=True):
+            if len(block.quotes) % 2:
                 return None  # a quote left open at the end of the file
-            cut = int(newlines[-1]) + 1 if block else len(data)
-            ends = (
-                newlines
-                if block or (len(newlines) and newlines[-1] == len(data) - 1)
-                else np.append(newlines, len(data))
-            )
-            part = _csv_block(data[:cut], buf[:cut], quotes[quotes < cut], ends, fields, width)
+            part = _csv_block(block, fields, width)
             if part is None:
                 return None
             paths, values, has_info, captioned, starts = part
             columns._append(paths, values, has_info, captioned)
-            offsets.append(starts + base)
-            base, rest = base + cut, data[cut:]
-            if not block:
-                break
+            offsets.append(starts + block.base)
     records.offsets = np.concatenate(offsets) if offsets else np.zeros(0, dtype=np.int64)
     return columns.table(records)
-
-
-def _outside(positions: np.ndarray, quotes: np.ndarray) -> np.ndarray:
-    """The positions (of bytes that are not quotes) outside quoted fields: an even number of quote
-    characters before them (a doubled quote inside a field counts twice, so it keeps the parity)."""
-    return positions[np.searchsorted(quotes, positions) % 2 == 0]
 
 
 _POW10 = np.array([float(10**k) for k in range(16)])  # exact: int -> float rounds correctly, 10**15 < 2**53
@@ -120,14 +104,14 @@ def _decimals(chars: np.ndarray, length: np.ndarray) -> np.ndarray | None:
     return mantissa / _POW10[after]
 
 
-def _csv_block(data: bytes, buf, quotes, ends, fields, width):
-    """Whole records ``data`` (ends: the position of each record's end) -> (paths, values, has_info,
-    captioned, record starts) as _Columns._append takes them, or None (see _read_csv_fast)."""
+def _csv_block(block: LineBlock, fields, width):
+    """A block of whole records -> (paths, values, has_info, captioned, record starts) as
+    _Columns._append takes them, or None (see _read_csv_fast)."""
+    buf, quotes, starts, ends = block.buf, block.quotes, block.starts, block.ends
     try:
-        data.decode("utf-8")
+        block.data[: len(buf)].decode("utf-8")
     except UnicodeDecodeError:
         return None
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
     ends = ends - ((ends > starts) & (buf[np.maximum(ends - 1, 0)] == 13))  # a \r\n line ending
     keep = ends > starts  # blank lines are skipped, as csv.reader skips them
     starts, ends = starts[keep], ends[keep]

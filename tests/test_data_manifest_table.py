@@ -218,6 +218,23 @@ def test_the_numpy_csv_parse_equals_the_row_by_row_read(tmp_path, monkeypatch):
         _same_tables(mt.read(str(tmp_path / name)), mt.read(str(tmp_path / name), False))
 
 
+def test_the_csv_fast_path_reads_utf8_that_a_block_cuts(tmp_path, monkeypatch):
+    """Captions of 2- and 3-byte UTF-8 characters at block sizes that end reads inside one: the fast
+    path checks only its block's whole records, so it still takes the file (not None) and equals the
+    row-by-row read. Planted: the UTF-8 check on all the bytes read (into the next block) -> the fast
+    path gives up on a cut character -> fails."""
+    from data import manifest_table as mt
+
+    rows = "".join(f"v{k}.mp4,café {'日本語' * k},33,64,64,16\n" for k in range(12))
+    (tmp_path / "u.csv").write_text("path,text,num_frames,height,width,fps\n" + rows, encoding="utf-8")
+    slow = mt.read(str(tmp_path / "u.csv"), fast=False)
+    for size in range(16, 90, 7):
+        monkeypatch.setattr(mt, "BLOCK", size)
+        fast = mt._read_csv_fast(str(tmp_path / "u.csv"))
+        assert fast is not None, size
+        _same_tables(fast, slow)
+
+
 def test_distinct_rows_by_one_key_equal_numpy_unique_of_the_rows():
     """plan_rows' _distinct_rows (one int64 key a row) against np.unique(axis=0), on random metadata and
     on values too wide for 63 bits (the fallback). Planted: the key columns decoded in the wrong order
@@ -332,3 +349,48 @@ def test_the_numpy_decimal_parse_equals_float_of_the_text():
     assert got is not None and got.tobytes() == np.array([float(f) for f in fields]).tobytes()
     for bad in ("1e3", "-1", " 1", "1.2.3", ".", "nan", "1234567890123456", "+2"):
         assert parse(["30", bad]) is None, bad
+
+
+def test_line_blocks_are_the_lines_of_the_file_at_every_block_size():
+    """line_blocks (data/manifest_columns.py; the CSV fast path and the JSONL line offsets both read
+    through it) against a byte-by-byte split, at block sizes from 1 byte (every line longer than a
+    block) up: blank lines, \\r, quoted newlines (quoted=True only), a quote left open, with and
+    without a final newline, after a header line. Planted, each caught: the last line without a
+    newline dropped; ``base`` not advanced (offsets of later blocks wrong); quoted newlines cutting
+    lines; the quotes of the whole read kept (positions past the block)."""
+    import io
+    import random
+
+    from data.manifest_columns import line_blocks
+
+    def split(text: bytes, quoted: bool) -> list[tuple[int, bytes]]:
+        lines, start, inside = [], 0, False
+        for k, byte in enumerate(text):
+            if quoted and byte == 34:
+                inside = not inside
+            elif byte == 10 and not inside:
+                lines.append((start, text[start:k]))
+                start = k + 1
+        return lines + ([(start, text[start:])] if start < len(text) else [])
+
+    rng = random.Random(0)
+    texts = [b"", b"\n", b"a", b"\n\n", b'x\n\ny,"a\nb"\r\nlast', b'open "quote\nto the end']
+    texts += [bytes(rng.choice(b'ab,"\n\r ') for _ in range(rng.randrange(40))) for _ in range(40)]
+    for text in texts:
+        for header in (b"", b"path,text\n"):
+            for quoted in (False, True):
+                want = split(text, quoted)
+                for size in (1, 2, 3, 7, 64):
+                    f = io.BytesIO(header + text)
+                    f.readline() if header else None
+                    got = []
+                    for block in line_blocks(f, size, quoted):
+                        assert block.data == (header + text)[block.base : block.base + len(block.data)]
+                        assert block.buf.tobytes() == block.data[: len(block.buf)]
+                        bounds = zip(block.starts.tolist(), block.ends.tolist())
+                        got += [(block.base + s - len(header), block.data[s:e]) for s, e in bounds]
+                        if quoted:
+                            assert block.quotes.tolist() == [
+                                k for k, c in enumerate(block.buf.tobytes()) if c == 34
+                            ]
+                    assert got == want, (text, header, quoted, size)

@@ -13,6 +13,7 @@ from data import scan
 from data.build import build_dataset
 from data.failures import TooManyFailures, absorb_worker_failures
 from data.media import make_video
+from data.readers import VideoReadError, probe
 from dit.batching import step_loader
 
 
@@ -45,6 +46,23 @@ def test_scan_time_failures_are_counted_logged_and_reported(mixed, caplog):
     summary = ds.failures.summary()
     assert "10 files, 4 failed" in summary and "1 skipped" in summary and "zero_bytes=1" in summary
     assert all(p in ds.failures.report() for p in list(broken) + [os.path.join(root, "short.mp4")])
+
+
+def test_broken_media_are_the_same_bytes_every_run(good, tmp_path):
+    """The flake of the test above: make_broken's garbage was os.urandom(4096). FFmpeg's LRC (lyrics)
+    probe claims any file whose first byte is "[" and PyAV opens it as a subtitle file, so the file
+    failed as no_video_stream, not not_a_video_or_corrupt: 9 of 2,000 random payloads, all beginning
+    with "[" (1 run in ~250). The payload is seeded now. Plant: os.urandom back -> the byte comparison
+    fails every run; the "[" replay below is the flake's exact reason."""
+    a, b = (make_broken(str(tmp_path / name), good[0]) for name in ("a", "b"))
+    for path_a, path_b in zip(a, b, strict=True):
+        assert open(path_a, "rb").read() == open(path_b, "rb").read(), path_a
+    garbage = next(p for p in a if p.endswith("garbage.webm"))
+    bracket = tmp_path / "bracket.webm"
+    bracket.write_bytes(b"[" + open(garbage, "rb").read()[1:])
+    with pytest.raises(VideoReadError) as e:
+        probe(str(bracket), "pyav")
+    assert e.value.reason == "no_video_stream"
 
 
 def test_above_the_share_the_run_stops_and_names_files(mixed):
