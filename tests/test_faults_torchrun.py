@@ -9,9 +9,9 @@
   order, same OMP_NUM_THREADS=1; under FSDP the same shards, restored by DCP), the same loss and
   tokens at every step (the same clips: the data position is the step), and each step once in
   metrics.jsonl. One uninterrupted run per mode serves every test (a module-scoped fixture).
-- Hang: two ranks started as torchrun would (env://), ``parallel.timeout_s=5``; after step 2 rank 1
-  is SIGSTOPped. Rank 0 must exit non-zero within timeout_s + 30 s with one line naming the
-  collective and the step.
+- Hang: two ranks started as torchrun would (env://, forked from the test process),
+  ``parallel.timeout_s=5``; after step 2 rank 1 is SIGSTOPped. Rank 0 must exit non-zero within
+  timeout_s + 30 s with one line naming the collective and the step.
 """
 
 from __future__ import annotations
@@ -174,7 +174,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_main(rank: int, port: int, argv: list[str], err_path: str) -> None:
+    """A forked child as torchrun starts a worker (env://, OMP_NUM_THREADS=1): ``train.main(argv)``,
+    its stderr (Python's and fd 2) in ``err_path``, its return value the exit status."""
+    import train
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    torch.set_num_threads(1)
+    os.chdir(ROOT)
+    err = open(err_path, "w", buffering=1)
+    os.dup2(err.fileno(), 2)
+    sys.stdout, sys.stderr = open(os.devnull, "w"), err  # not pytest's capture of the parent
+    code = train.main(argv)
+    err.flush()
+    os._exit(code)
+
+
 def test_hung_rank_stops_the_other_within_the_timeout(tmp_path):
+    """The two ranks are forked from this process (they inherit torch and the project's imports: two
+    fresh interpreters cost tens of seconds under load) and rendezvous by env:// as torchrun's workers
+    do; rank 0's exit status is ``train.main``'s return value. Planted: run_cli not catching the
+    collective's timeout (a traceback, no error line) -> fails."""
+    import gc
+    import multiprocessing
+
+    import dynamic_cp.runtime.launch  # noqa: F401 - imported once here, inherited by both ranks
+    import train  # noqa: F401
+
     timeout_s = 5
     port = _free_port()
     over = tiny_overrides(
@@ -182,29 +209,37 @@ def test_hung_rank_stops_the_other_within_the_timeout(tmp_path):
         **{"train.max_steps": 1000, "train.val_every": 1000, "train.checkpoint_every": 1000,
            "parallel.timeout_s": timeout_s},
     )  # fmt: skip
+    fork = multiprocessing.get_context("fork")
+    gc.collect()  # as run_gloo: no garbage process group may be collected in a forked child
+    gc.freeze()
     procs = []
-    for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "train.py", "--config", TINY, *over], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    try:
+        for rank in (0, 1):
+            argv = ["--config", TINY, *over]
+            procs.append(
+                fork.Process(target=_rank_main, args=(rank, port, argv, str(tmp_path / f"err{rank}")))
+            )
+            procs[-1].start()
+    finally:
+        gc.unfreeze()
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.time() + 600
-        while time.time() < deadline and procs[0].poll() is None:
+        while time.time() < deadline and procs[0].is_alive():
             if metrics.is_file() and any(r.get("step", 0) >= 2 for r in _rows(metrics.parent)):
                 break
             time.sleep(0.05)
         os.kill(procs[1].pid, signal.SIGSTOP)
         stopped = time.time()
-        _, err = procs[0].communicate(timeout=timeout_s + 30)
+        procs[0].join(timeout=timeout_s + 30)
         assert time.time() - stopped < timeout_s + 30
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
-    assert procs[0].returncode not in (0, None)
+                p.join()
+    err = (tmp_path / "err0").read_text()
+    assert procs[0].exitcode not in (0, None), err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-3000:]
     assert "rank 0: collective " in lines[0] and " timed out in step " in lines[0], lines[0]
