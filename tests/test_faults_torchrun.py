@@ -5,13 +5,15 @@
   async saves), and, in the sync jobs, again mid-step right after the restarted attempt commits
   checkpoint 4 (the kill follows the checkpoint within milliseconds). torchrun restarts every worker
   with the same arguments; they resume the newest whole checkpoint and the job ends at max_steps
-  with weights bitwise equal to an uninterrupted 4-rank torchrun run (same plan, same reduction
+  with weights bitwise equal to an uninterrupted 4-rank run (same plan, same reduction
   order, same OMP_NUM_THREADS=1; under FSDP the same shards, restored by DCP), the same loss and
   tokens at every step (the same clips: the data position is the step), and each step once in
-  metrics.jsonl. One uninterrupted run per mode serves every test (a module-scoped fixture).
-- Hang: two ranks started as torchrun would (env://), ``parallel.timeout_s=5``; after step 2 rank 1
-  is SIGSTOPped. Rank 0 must exit non-zero within timeout_s + 30 s with one line naming the
-  collective and the step.
+  metrics.jsonl. One uninterrupted run per mode serves every test (a module-scoped fixture); its 4
+  ranks run train.py's main forked from the test process with torchrun's variables (env://), which
+  saves a torchrun agent and 4 fresh interpreters per mode; the 4 killed jobs are the real launcher.
+- Hang: two ranks started as torchrun would (env://, forked from the test process),
+  ``parallel.timeout_s=5``; after step 2 rank 1 is SIGSTOPped. Rank 0 must exit non-zero within
+  timeout_s + 30 s with one line naming the collective and the step.
 """
 
 from __future__ import annotations
@@ -54,13 +56,17 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _torchrun(run_dir: Path, mode: str, extra: list[str], max_restarts: int = 0, env: dict | None = None):
+def _train_args(run_dir: Path, mode: str, extra: list[str]) -> list[str]:
     over = tiny_overrides(
         run_dir, **PARALLEL, **MODES[mode], **{"train.max_steps": 6, "train.checkpoint_every": 2}
     )
+    return ["--config", TINY, *over, *extra, "--resume", "auto"]
+
+
+def _torchrun(run_dir: Path, mode: str, extra: list[str], max_restarts: int = 0, env: dict | None = None):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-        f"--max-restarts={max_restarts}", "train.py", "--config", TINY, *over, *extra, "--resume", "auto",
+        f"--max-restarts={max_restarts}", "train.py", *_train_args(run_dir, mode, extra),
     ]  # fmt: skip
     return subprocess.Popen(
         cmd,
@@ -84,9 +90,15 @@ def uninterrupted(tmp_path_factory):
     def run(mode: str) -> Path:
         if mode not in runs:
             tmp = tmp_path_factory.mktemp(f"whole_{mode}")
-            whole = _torchrun(tmp, mode, [])
-            out, _ = whole.communicate(timeout=900)
-            assert whole.returncode == 0, out[-3000:]
+            procs = _forked_ranks(RANKS, _train_args(tmp, mode, []), tmp)
+            for p in procs:
+                p.join(timeout=900)
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            assert codes == [0] * RANKS, (codes, (tmp / "err0").read_text()[-3000:])
             runs[mode] = tmp / "run"
         return runs[mode]
 
@@ -174,37 +186,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_hung_rank_stops_the_other_within_the_timeout(tmp_path):
-    timeout_s = 5
+def _rank_main(rank: int, world: int, port: int, argv: list[str], err_path: str) -> None:
+    """A forked child as torchrun starts a worker (env://, OMP_NUM_THREADS=1): ``train.main(argv)``,
+    its stderr (Python's and fd 2) in ``err_path``, its return value the exit status."""
+    import train
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1"})  # fmt: skip
+    torch.set_num_threads(1)
+    os.chdir(ROOT)
+    err = open(err_path, "w", buffering=1)
+    os.dup2(err.fileno(), 2)
+    sys.stdout, sys.stderr = open(os.devnull, "w"), err  # not pytest's capture of the parent
+    code = train.main(argv)
+    err.flush()
+    os._exit(code)
+
+
+def _forked_ranks(world: int, argv: list[str], err_dir: Path) -> list:
+    """``world`` ranks of ``train.py argv`` forked from this process, rendezvousing by env:// as
+    torchrun's workers do: they inherit torch and the project's imports (a fresh interpreter each
+    costs tens of seconds under load). Rank r's stderr goes to ``err_dir / f"err{r}"``."""
+    import gc
+    import multiprocessing
+
+    import dynamic_cp.runtime.launch  # noqa: F401 - imported once here, inherited by every rank
+    import train  # noqa: F401
+
+    fork = multiprocessing.get_context("fork")
     port = _free_port()
+    gc.collect()  # as run_gloo: no garbage process group may be collected in a forked child
+    gc.freeze()
+    procs = []
+    try:
+        for rank in range(world):
+            args = (rank, world, port, argv, str(err_dir / f"err{rank}"))
+            procs.append(fork.Process(target=_rank_main, args=args))
+            procs[-1].start()
+    finally:
+        gc.unfreeze()
+    return procs
+
+
+def test_hung_rank_stops_the_other_within_the_timeout(tmp_path):
+    """The two ranks are forked from this process (``_forked_ranks``); rank 0's exit status is
+    ``train.main``'s return value. Planted: run_cli not catching the collective's timeout (a
+    traceback, no error line) -> fails."""
+    timeout_s = 5
     over = tiny_overrides(
         tmp_path, **PARALLEL, **MODES["replicated"],
         **{"train.max_steps": 1000, "train.val_every": 1000, "train.checkpoint_every": 1000,
            "parallel.timeout_s": timeout_s},
     )  # fmt: skip
-    procs = []
-    for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "train.py", "--config", TINY, *over], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    procs = _forked_ranks(2, ["--config", TINY, *over], tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.time() + 600
-        while time.time() < deadline and procs[0].poll() is None:
+        while time.time() < deadline and procs[0].is_alive():
             if metrics.is_file() and any(r.get("step", 0) >= 2 for r in _rows(metrics.parent)):
                 break
             time.sleep(0.05)
         os.kill(procs[1].pid, signal.SIGSTOP)
         stopped = time.time()
-        _, err = procs[0].communicate(timeout=timeout_s + 30)
+        procs[0].join(timeout=timeout_s + 30)
         assert time.time() - stopped < timeout_s + 30
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
-    assert procs[0].returncode not in (0, None)
+                p.join()
+    err = (tmp_path / "err0").read_text()
+    assert procs[0].exitcode not in (0, None), err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-3000:]
     assert "rank 0: collective " in lines[0] and " timed out in step " in lines[0], lines[0]

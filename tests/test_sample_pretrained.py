@@ -162,32 +162,45 @@ def test_a_request_that_fits_no_memory_is_named_with_what_to_lower(wan_folder, t
     assert not list(tmp_path.glob("*.mp4"))  # checked before the first clip
 
 
+def _sample_then_wait(argv: list[str]) -> None:
+    """A forked child: ``sample.main(argv)`` on one thread, its output discarded (fd 1 too)."""
+    import os
+
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os._exit(sample.main(argv))
+
+
 def test_sigkilled_job_keeps_whole_clips_and_the_rerun_skips_them(wan_folder, tmp_path, capsys):
-    """A real kill (SIGKILL, no cleanup) after the first clip is written, then the same command."""
+    """A real kill (SIGKILL, no cleanup) after the first clip is written, then the same command. The
+    killed job is forked from this process (it inherits torch, diffusers and sample.py: a fresh
+    interpreter cost tens of seconds under load; the real launches are the torchrun test's).
+    Planted: the rerun not skipping the clips in place -> fails."""
+    import gc
+    import multiprocessing
     import os
     import signal
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import imageio.v3 as iio
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
     argv = ["--pretrained", str(wan_folder), "--frames", "5", "--height", "16", "--width", "16",
             "--steps", "10", "--out", str(out)] + [x for i in range(3) for x in ("--prompt", f"clip {i}")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        [sys.executable, str(root / "sample.py"), *argv], env=env, stdout=subprocess.DEVNULL
-    )
+    gc.collect()  # as run_gloo: nothing of an earlier test's process group collected in the child
+    gc.freeze()
+    try:
+        job = multiprocessing.get_context("fork").Process(target=_sample_then_wait, args=(argv,))
+        job.start()
+    finally:
+        gc.unfreeze()
     try:
         deadline = time.time() + 240
-        while not list(out.glob("*.mp4")) and job.poll() is None and time.time() < deadline:
+        while not list(out.glob("*.mp4")) and job.is_alive() and time.time() < deadline:
             time.sleep(0.05)
-        job.send_signal(signal.SIGKILL)
+        os.kill(job.pid, signal.SIGKILL)
     finally:
-        job.wait()
+        job.join()
     kept = {p: p.stat().st_mtime_ns for p in out.glob("*.mp4")}
     assert 1 <= len(kept) < 3, "the job was killed after its first clip and before its last"
     for p in kept:
