@@ -54,6 +54,20 @@ def blocks_of_size(world_size: int, cp: int) -> list[tuple[int, ...]]:
     return [tuple(range(s, s + cp)) for s in range(0, world_size - cp + 1, cp)]
 
 
+def block_around(ranks: tuple[int, ...], world_size: int, cp: int) -> tuple[int, ...] | None:
+    """The allowed block of ``cp`` ranks nested with the group ``ranks`` (inside it when ``cp`` is
+    smaller, around it when larger) that holds its first rank, or None when there is none.
+
+    Blocks are aligned, so past the last whole block of size ``cp`` there is none: at W = 3 rank 2 has
+    no CP-2 block, at W = 6 ranks 4-5 have no CP-4 block. Callers skip such a group.
+    """
+    group = set(ranks)
+    for block in blocks_of_size(world_size, cp):
+        if ranks[0] in block and (group <= set(block) or set(block) <= group):
+            return block
+    return None
+
+
 def allowed_groups(world_size: int, cp_sizes=None) -> list[tuple[int, ...]]:
     """Every rank group the planner may use, smallest size first, then by first rank.
 

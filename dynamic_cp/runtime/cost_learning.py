@@ -26,8 +26,9 @@ the newest one effective at t, whenever the thread happens to run.
 Exploration (dynamic mode, bounded): while a (CP size, Ulysses x ring layout) of the allowed set has
 fewer than ``MIN_OBSERVATIONS`` observations, each plan may change one micro-batch to run it: a
 micro-batch of that size switches layout, or one of another size moves to the aligned block of that
-size around it (if it fits the cap). The change is taken only if the model predicts it adds at most
-``explore_budget`` of the step; its predicted cost is logged (``explore_s``).
+size nested with its group (if there is one: ``groups_layout.block_around``; and if it fits the cap).
+The first missing key that some micro-batch can run is tried; the change is taken only if the model
+predicts it adds at most ``explore_budget`` of the step; its predicted cost is logged (``explore_s``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from dynamic_cp.planning.cost_fit import Observation
 from dynamic_cp.planning.cost_model import CostModel, Hardware
-from dynamic_cp.planning.groups_layout import blocks_of_size
+from dynamic_cp.planning.groups_layout import block_around
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.simulator import simulate, spans_nodes
 
@@ -140,11 +141,31 @@ class CostLearner:
         running = {(len(r), tuple(lay)) for (r, _), lay in zip(plan.micro_batches, plan.info["layouts"])}
         # keys this plan runs anyway get observed without help
         missing = [k for k in self.wanted if counts.get(k, 0) < MIN_OBSERVATIONS and k not in running]
-        if not missing or not plan.micro_batches:
+        if not plan.micro_batches:
             return
-        c, layout = missing[0]
         base = plan.predicted_step_s
-        best = None  # (extra seconds, micro-batch index, ranks)
+        # The first missing key that some micro-batch can run. A key can have none this step: at a
+        # world size that is not a power of two the ranks past the last aligned block of size c have
+        # no block of that size (W = 3: rank 2 has no CP-2 block), and the plan may hold only those.
+        for c, layout in missing:
+            best = self._cheapest_move(plan, lengths, model, c, layout, base)
+            if best is not None:
+                break
+        else:
+            return
+        if best[0] > self.explore_budget * base:
+            return
+        extra, m, ranks = best
+        plan.micro_batches[m] = (ranks, plan.micro_batches[m][1])
+        plan.info["layouts"][m] = layout
+        plan.info["explore_s"] = extra
+        plan.info["explored"] = f"cp{c} {layout[0]}x{layout[1]}"
+        plan.predicted_step_s = base + extra
+
+    def _cheapest_move(self, plan: Plan, lengths, model: CostModel, c: int, layout, base: float):
+        """(extra seconds, micro-batch index, ranks) of the micro-batch whose run as CP ``c`` with
+        ``layout`` the model prices cheapest; None when no micro-batch can run it."""
+        best = None
         gpn = model.hw.gpus_per_node
         for m, (ranks, ids) in enumerate(plan.micro_batches):
             L = [lengths[i] for i in ids]
@@ -154,9 +175,9 @@ class CostLearner:
                 )
                 cand = (max(extra, 0.0), m, ranks)
             else:
-                if sum(L) > self.cap_tokens * c:
+                block = block_around(ranks, plan.world_size, c)
+                if block is None or sum(L) > self.cap_tokens * c:
                     continue
-                block = next(b for b in blocks_of_size(plan.world_size, c) if ranks[0] in b)
                 moved = Plan(list(plan.micro_batches), plan.world_size, plan.cap_tokens)
                 moved.micro_batches[m] = (block, ids)
                 step = simulate(moved, lengths, model, timeline=False).step_s
@@ -167,14 +188,7 @@ class CostLearner:
                 cand = (max(step - base, 0.0) + max(layout_extra, 0.0), m, block)
             if best is None or cand[0] < best[0]:
                 best = cand
-        if best is None or best[0] > self.explore_budget * base:
-            return
-        extra, m, ranks = best
-        plan.micro_batches[m] = (ranks, plan.micro_batches[m][1])
-        plan.info["layouts"][m] = layout
-        plan.info["explore_s"] = extra
-        plan.info["explored"] = f"cp{c} {layout[0]}x{layout[1]}"
-        plan.predicted_step_s = base + extra
+        return best
 
     # ------------------------------------------------------------------------------ learning side
 
