@@ -381,6 +381,9 @@ def build_learner(cfg, model_config, world, device, start_step: int, resume_dir:
             hw = None  # restored below with the rest of the state
         elif resume_dir is not None and learned.exists():
             hw = Hardware.load(str(learned))
+        elif p.deterministic and device.type != "cuda":
+            # the CPU measurement times kernels, and its prices differ run to run
+            hw = Hardware.load("h100")
         else:
             base = build_cost_model(cfg, model_config, Hardware.load("h100"))
             hw = auto_hardware(base.dims, device, world)
@@ -392,9 +395,9 @@ def build_learner(cfg, model_config, world, device, start_step: int, resume_dir:
         lambda model, lengths: make_plan_fn(cfg, model, world_size)(lengths),
         start_step=start_step,
         plan_lag=1 if p.plan_ahead else 0,
-        learn=p.learn_costs,
+        learn=p.learn_costs and not p.deterministic,
         refit_every=p.refit_every,
-        explore=p.mode == "dynamic" and p.explore_budget > 0,
+        explore=p.mode == "dynamic" and p.explore_budget > 0 and not p.deterministic,
         explore_budget=p.explore_budget,
         cp_sizes=cp_sizes_of(cfg, world_size),
         cap_tokens=cap_tokens_of(cfg),
