@@ -274,8 +274,8 @@ class ParallelConfig:
     plan_ahead: bool = True  # plan step s+1 in a background thread while step s runs
     # plans from fixed prices only: no CPU measurement at start-up (hardware=auto takes the device's
     # built-in profile; on CPU h100's), no refits and no exploration, so any two runs and any resume
-    # plan alike and end bitwise equal (on CPU; see README "Faults and restarts" for what the
-    # default, learned costs, may differ by)
+    # plan alike and end bitwise equal (on CPU; docs/faults.md says what the default, learned
+    # costs, may differ by)
     deterministic: bool = False
     # ZeRO-1: each rank keeps the AdamW moments of its share of the parameters (torch's
     # ZeroRedundancyOptimizer) and sends its updated share to the others; weights, gradients and the
