@@ -38,10 +38,10 @@ from data.cache_shards import LocalWorld, World
 from data.cli import RunStopped, run_cli
 from data.clip_policy import parse_options
 from data.failures import FailureLog
+from data.image_cond import condition_video
 from data.manifest import MANIFEST_EXTS
 from data.readers import BACKENDS, VideoReadError
 from data.tokens import latent_shape
-from dit.image_cond import condition_video
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -360,13 +360,13 @@ def run(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         cache_from_args(args, LocalWorld(), args.device)
         return 0
-    # Under torchrun: every rank encodes its share (data/cache_shards.py); the process group is the
-    # runtime's, so data/ itself never initializes one.
+    # Under torchrun: every rank encodes its share (data/cache_shards.py) in the world torchrun describes.
     import torch.distributed as dist
 
-    from dynamic_cp.runtime.torchrun import ProcessGroupWorld, init_torchrun
+    from data.cache_shards import ProcessGroupWorld
+    from data.torchrun import join_torchrun
 
-    device = init_torchrun()
+    device = join_torchrun()
     try:
         world = ProcessGroupWorld(device=device)
         cache_from_args(args, world, device if args.device.startswith("cuda") else args.device)

@@ -25,6 +25,7 @@ import os
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -34,7 +35,7 @@ from data.cache_index import SAMPLES, SHARD, columns, save_columns
 
 class World(Protocol):
     """The processes that build a cache together: ``LocalWorld`` for one, a process group under torchrun
-    (``dynamic_cp.runtime.torchrun.ProcessGroupWorld``)."""
+    (``ProcessGroupWorld``)."""
 
     rank: int
     world_size: int
@@ -47,6 +48,21 @@ class LocalWorld:
 
     def sum(self, values: list[int]) -> list[int]:
         return list(values)
+
+
+class ProcessGroupWorld:
+    """``data.cache_shards.World`` over a process group: the ranks that build one cache together."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = device or torch.device("cpu")  # nccl reduces tensors on the GPU only
+
+    def sum(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
 
 
 def num_chunks(num_items: int, shard_size: int) -> int:

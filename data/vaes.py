@@ -124,10 +124,7 @@ def load_vae(
         raise ValueError(f"vae {kind!r} needs a local folder with config.json and weights; got {path!r}")
     if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "vae")):
         path = os.path.join(path, "vae")  # a whole pipeline folder was given
-    from dit.quiet_imports import hide_bitsandbytes
-
-    hide_bitsandbytes()  # diffusers' models import it, which logs on some CPUs (dit/quiet_imports.py)
-    import diffusers  # heavy import: only when a real VAE is asked for
+    import diffusers  # heavy import, only for a real VAE; data/__init__ hid bitsandbytes from it
 
     cls = {
         "wan": diffusers.AutoencoderKLWan,

@@ -1,5 +1,5 @@
 """The video DiT: model, objective, sampler and single-process training loop."""
 
-from dit.quiet_imports import hide_bitsandbytes
+from data.quiet_imports import hide_bitsandbytes
 
-hide_bitsandbytes()  # before diffusers or peft can import it: see dit/quiet_imports.py
+hide_bitsandbytes()  # before diffusers or peft can import it: see data/quiet_imports.py

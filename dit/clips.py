@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from data.image_cond import condition_mask, image_condition
 from dit.attention import AttentionFn
 from dit.config import FlowConfig
 from dit.flow import (
@@ -29,7 +30,7 @@ from dit.flow import (
     shift_for_tokens,
     shift_sigmas,
 )
-from dit.image_cond import ImageConditioning, condition_mask, image_condition, join_condition
+from dit.image_cond import ImageConditioning, join_condition
 from dit.packing import grid_positions, local_seq_lens, patchify
 from dit.ti2v import check_first_frame_patch, first_frame_tokens, replace_first_frame, token_timesteps
 

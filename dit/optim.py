@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from dit.config import TrainConfig
-from dit.quiet_imports import import_bitsandbytes
+from data.quiet_imports import import_bitsandbytes
 
 # our name -> diffusers' scheduler name (SchedulerType)
 _DIFFUSERS_SCHEDULE = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from data.image_cond import image_condition
 from data.tokens import latent_shape
 from dit.attention import AttentionFn, PackedAttention
 from dit.flow import shift_for_tokens
-from dit.image_cond import conditioning_of, image_condition, join_condition
+from dit.image_cond import conditioning_of, join_condition
 from dit.packing import check_divisible, grid_positions, local_seq_lens, patchify, unpatchify
 from dit.sample_requests import SampleRequest
 from dit.ti2v import check_first_frame_patch, replace_first_frame

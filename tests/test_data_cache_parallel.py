@@ -21,10 +21,10 @@ from test_data_cache import save_text_encoder, save_vae
 
 from data import cache
 from data.build import build_dataset
+from data.cache_shards import ProcessGroupWorld
 from data.manifest import Row, write_manifest
 from data.readers import VideoInfo
 from dynamic_cp.runtime.testing import run_gloo
-from dynamic_cp.runtime.torchrun import ProcessGroupWorld
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ["--fps", "12", "--max-frames", "9", "--resolution", "32", "--option", "max_failure_share=0.5"]

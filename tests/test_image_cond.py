@@ -11,8 +11,9 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 
+from data.image_cond import condition_mask, condition_video, image_condition
 from data.vaes import DiffusersVAE
-from dit.image_cond import condition_mask, condition_video, image_condition, join_condition
+from dit.image_cond import join_condition
 from dit.packing import patchify
 
 

@@ -3,6 +3,7 @@
 - ``dynamic_cp/planning/`` is pure Python: no torch, nothing of the runtime, attention or training config.
 - ``dynamic_cp/attention/`` knows nothing of plans: of planning it may use only the rank layout.
 - ``dit/`` never touches ``torch.distributed`` or ``dynamic_cp``: parallelism stays out of the model.
+- ``data/`` is the bottom layer: it imports neither ``dit`` nor ``dynamic_cp``.
 - No import circle in ``data/`` or ``dynamic_cp/`` (imports inside functions count too).
 """
 
@@ -64,6 +65,12 @@ def test_attention_knows_nothing_of_plans(path):
 def test_model_never_touches_distributed(path):
     bad = _hits(_imports(path), ("torch.distributed", "dynamic_cp"))
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}: dit/ sees local tensors only"
+
+
+@pytest.mark.parametrize("path", _files("data"), ids=lambda p: p.name)
+def test_data_imports_nothing_above_it(path):
+    bad = _hits(_imports(path), ("dit", "dynamic_cp"))
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}: data/ is the bottom layer (CONTRIBUTING.md)"
 
 
 def test_planning_loads_without_torch_in_a_fresh_interpreter():

@@ -27,8 +27,8 @@ def test_optimizer_gets_the_configured_hyperparameters():
 
 
 def test_adamw_8bit_is_bitsandbytes():
-    # not pytest.importorskip: importing dit hides bitsandbytes from diffusers and peft (dit/quiet_imports.py)
-    from dit.quiet_imports import import_bitsandbytes
+    # not pytest.importorskip: importing dit hides bitsandbytes from diffusers and peft (data/quiet_imports.py)
+    from data.quiet_imports import import_bitsandbytes
 
     try:
         bnb = import_bitsandbytes()

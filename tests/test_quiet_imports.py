@@ -1,4 +1,4 @@
-"""Nothing writes to stderr or reaches for the network at import or start-up (dit/quiet_imports.py).
+"""Nothing writes to stderr or reaches for the network at import or start-up (data/quiet_imports.py).
 
 On CPUs with AVX-512 BF16, importing bitsandbytes looks for a hub kernel and logs a warning; diffusers
 and peft import it whenever it is installed. These tests run in fresh interpreters under
@@ -54,7 +54,7 @@ def test_help_writes_nothing_to_stderr(command):
 
 def test_no_project_module_imports_bitsandbytes_or_writes_to_stderr():
     # Every module of the three packages, then the diffusers classes the project builds: bitsandbytes must
-    # stay unimported (None is the hide of dit/quiet_imports.py), and nothing may print to stderr.
+    # stay unimported (None is the hide of data/quiet_imports.py), and nothing may print to stderr.
     code = (
         "import importlib, sys\n"
         f"for m in {_project_modules()!r}: importlib.import_module(m)\n"

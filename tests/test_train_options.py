@@ -87,8 +87,8 @@ def test_adamw_fused_equals_adamw_after_five_steps(tmp_path):
 
 
 def _needs_bitsandbytes() -> None:
-    # not pytest.importorskip: importing dit hides bitsandbytes from diffusers and peft (dit/quiet_imports.py)
-    from dit.quiet_imports import import_bitsandbytes
+    # not pytest.importorskip: importing dit hides bitsandbytes from diffusers and peft (data/quiet_imports.py)
+    from data.quiet_imports import import_bitsandbytes
 
     try:
         import_bitsandbytes()

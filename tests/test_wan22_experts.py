@@ -33,7 +33,7 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 def pipeline_runs_high(t: torch.Tensor, boundary_ratio: float) -> torch.Tensor:
     """pipeline_wan.py: ``if boundary_timestep is None or t >= boundary_timestep: transformer``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler  # after dit (dit/quiet_imports.py)
+    from diffusers import FlowMatchEulerDiscreteScheduler  # after dit (data/quiet_imports.py)
 
     boundary_timestep = boundary_ratio * FlowMatchEulerDiscreteScheduler().config.num_train_timesteps
     return t >= boundary_timestep
