@@ -1,6 +1,6 @@
 """dit/config.py's newest rules at their boundaries and their documented defaults: the Wan2.2 fields
 (model.boundary_ratio, flow.clean_first_frame) and the fault-tolerance ones (train.async_checkpoint,
-parallel.timeout_s). Written from the survivors of ``bench/mutation.py dit/config.py``; in its
+parallel.timeout_s). Written from the survivors of ``tools/mutation.py dit/config.py``; in its
 subset. Planted (each fails here): the open interval (0, 1) of the boundary closed at either end or
 widened to 2, the share's upper bound made open or widened, defaults 1.0 / True / 200 s, a timeout
 of 0 s accepted."""

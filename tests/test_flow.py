@@ -49,7 +49,7 @@ def test_loss_is_invariant_to_micro_batching_and_token_sharding():
 
 
 # ----------------------------------------------------------------------------- exact values
-# (each pins a formula or a default that the mutation bench found unpinned)
+# (each pins a formula or a default that the mutation tool found unpinned)
 
 
 def test_flow_loss_is_weighted_mean_squared_error():

@@ -1,4 +1,4 @@
-"""fsdp_checkpoint.py on a one-rank gloo world, in this process (the mutation bench's fast subset).
+"""fsdp_checkpoint.py on a one-rank gloo world, in this process (the mutation tool's fast subset).
 
 Save then load restores the sharded weights, AdamW moments and EMA exactly, writes the diffusers
 exports and the trainer state, and resuming from a replicated checkpoint (fsdp=none) or from one

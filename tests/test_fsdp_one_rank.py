@@ -1,4 +1,4 @@
-"""fsdp.py's pieces on a one-rank gloo world, in this process (fast; the mutation bench's subset).
+"""fsdp.py's pieces on a one-rank gloo world, in this process (fast; the mutation tool's subset).
 
 With one rank a shard is the whole tensor and a reduce-scatter is the identity, so the per_step and
 per_layer schedules must give the gradients of the unsharded model: what FSDP adds (unit order, the

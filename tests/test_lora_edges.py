@@ -1,7 +1,7 @@
 """dit/lora.py's smaller promises, on a tiny VideoDiT in one process (seconds): what ``add_lora``
 hands the optimizer, ``lora_state`` of a named adapter, ``merge_lora``'s default strength, and a
 file whose adapters carry a bias (peft's ``lora_bias``). Written from the survivors of
-``bench/mutation.py dit/lora.py``; each test names the planted bug it fails on."""
+``tools/mutation.py dit/lora.py``; each test names the planted bug it fails on."""
 
 from __future__ import annotations
 

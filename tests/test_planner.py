@@ -393,7 +393,7 @@ def test_local_search_prices_a_shrink_with_the_rest_of_its_old_block():
         rank 0 leaves rank 1 at 3.0; growing Y to CP 4 over the block that holds it leaves
         max(3.5 - 3 + 1.6, 0.5 + 1.6) = 2.1: Y grows.
     (A rest mis-counted from the start of the old block, or cut short at its end, prices the shrink
-    at 0.4 and takes it: bench/mutation.py's planner.py:299:38 mutants.)"""
+    at 0.4 and takes it: tools/mutation.py's planner.py:299:38 mutants.)"""
     table = [[0.4, 0.5], [3.0, 1.6]]
     blocks, k, finish = _searched(8, (2, 4), table, {(4, 4): [0], (2, 6): [1]}, iters=1)
     assert blocks == {(4, 4): [0], (4, 0): [1]} and k == [1, 1]

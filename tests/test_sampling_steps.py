@@ -1,5 +1,5 @@
 """dit/sampling.py's steps worked by hand, in one process and in seconds (the fast subset of
-``bench/mutation.py`` for this module; ``test_sample_cli.py`` drives the same code end to end).
+``tools/mutation.py`` for this module; ``test_sample_cli.py`` drives the same code end to end).
 
 A stand-in model whose velocity does not depend on x makes the Euler steps exact: the sigmas run
 from 1 to 0, so the clip ends at noise - v, where v is the guided mix u + g (c - u). A second one

@@ -1,5 +1,5 @@
 """dit/sampling.py's Wan2.2 paths worked by hand, in one process and seconds (in the fast subset of
-``bench/mutation.py dit/sampling.py``; the parity with diffusers' pipelines is in
+``tools/mutation.py dit/sampling.py``; the parity with diffusers' pipelines is in
 ``test_ti2v_sampling.py`` and ``test_wan22_a14b.py``, which take minutes):
 
 - TI2V-5B image-to-video: the given frame's tokens run at timestep 0 in every branch, stand in for

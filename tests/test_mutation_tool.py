@@ -1,4 +1,4 @@
-"""The mutation bench's operators produce the bugs they are named after (bench/mutation.py)."""
+"""The mutation tool's operators produce the bugs they are named after (tools/mutation.py)."""
 
 import ast
 import importlib.util
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "mutation_bench", Path(__file__).parents[1] / "bench" / "mutation.py"
+    "mutation_bench", Path(__file__).parents[1] / "tools" / "mutation.py"
 )
 mutation = importlib.util.module_from_spec(_spec)
 sys.modules["mutation_bench"] = mutation  # dataclasses look their module up there

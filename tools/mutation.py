@@ -1,12 +1,12 @@
 """Mutation score of the core pure modules: does a small planted bug fail their tests?
 
-    PYTHONPATH=$PWD nice -n 19 python bench/mutation.py                  # every module below
-    PYTHONPATH=$PWD python bench/mutation.py dit/flow.py                  # one module
-    PYTHONPATH=$PWD python bench/mutation.py dit/flow.py --only 12 31     # re-run mutants 12 and 31
-    PYTHONPATH=$PWD python bench/mutation.py --list dit/flow.py           # print the mutants, run nothing
-    PYTHONPATH=$PWD python bench/mutation.py dit/ema.py --tests tests/test_trainer_guards.py  # other tests
-    PYTHONPATH=$PWD python bench/mutation.py --sample 60 dynamic_cp/planning/planner.py  # an estimate
-    PYTHONPATH=$PWD python bench/mutation.py sample.py --whole    # beyond its scope (SCOPES below)
+    PYTHONPATH=$PWD nice -n 19 python tools/mutation.py                  # every module below
+    PYTHONPATH=$PWD python tools/mutation.py dit/flow.py                  # one module
+    PYTHONPATH=$PWD python tools/mutation.py dit/flow.py --only 12 31     # re-run mutants 12 and 31
+    PYTHONPATH=$PWD python tools/mutation.py --list dit/flow.py           # print the mutants, run nothing
+    PYTHONPATH=$PWD python tools/mutation.py dit/ema.py --tests tests/test_trainer_guards.py  # other tests
+    PYTHONPATH=$PWD python tools/mutation.py --sample 60 dynamic_cp/planning/planner.py  # an estimate
+    PYTHONPATH=$PWD python tools/mutation.py sample.py --whole    # beyond its scope (SCOPES below)
 
 Each mutant is one small change of the module's syntax tree:
 - a comparison flipped at its boundary (``<`` <-> ``<=``, ``>`` <-> ``>=``, ``==`` <-> ``!=``,
@@ -31,8 +31,8 @@ failing run kills the mutant; a run over the time limit counts as killed too (an
 caught bug), and is reported separately. The source file on disk is never touched.
 
 Score = killed / (mutants - equivalent). Equivalent mutants (no observable change) are listed with
-their reasons in ``bench/mutation_equivalent.txt`` as ``path:line:col description  # reason``; see
-docs/testing.md. This is a benchmark (minutes of CPU), not part of ``python -m pytest``.
+their reasons in ``tools/mutation_equivalent.txt`` as ``path:line:col description  # reason``; see
+docs/testing.md. This is a tool (minutes of CPU), not part of ``python -m pytest``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
+EQUIVALENT_FILE = ROOT / "tools" / "mutation_equivalent.txt"
 
 # module -> the fast test subset that guards it (seconds per mutant once imports are warm). Entries
 # are pytest arguments: files, node ids (test_fsdp.py's process-spawning tests stay out of the
