@@ -70,9 +70,11 @@ def save_fsdp_checkpoint(
     config: dict,
     keep: int,
     world: dist.ProcessGroup,
+    extra_files: dict[str, str] | None = None,
 ) -> Path | None:
     """Collective: every rank calls it. Returns the step directory on rank 0, None elsewhere.
-    A full disk stops every rank with one line (``dit.checkpoint.stop_on_full_disk``)."""
+    A full disk stops every rank with one line (``dit.checkpoint.stop_on_full_disk``).
+    ``extra_files``: more {name: text} files for the folder (rank 0's), as ``dit.checkpoint`` takes."""
     is_main = dist.get_rank(world) == 0
     tmp = root / f"step_{step:06d}.tmp"
     state = {**trainer_state, "rng": rng_state()}  # before DCP's save, which draws from `random`
@@ -89,7 +91,7 @@ def save_fsdp_checkpoint(
     if is_main:
         try:
             with stop_on_full_disk(tmp, lambda: _checkpoint_bytes(sharded, model, ema)):
-                _write_export(tmp, step, model, full, ema_full, state, config)
+                _write_export(tmp, step, model, full, ema_full, state, config, extra_files)
         except RunStopped as err:
             error = err
     _raise_on_every_rank(error, step, world)  # nobody goes on while rank 0 failed or has not committed
@@ -128,9 +130,14 @@ def _read_full(sharded_dir: Path, model_shapes: dict, ema_shapes: dict | None):
     return state["model"], state.get("ema")
 
 
-def _write_export(tmp: Path, step: int, model, full, ema_full, trainer_state: dict, config: dict) -> None:
-    """Rank 0: model/, ema/, trainer.pt and config.yaml into ``tmp``."""
+def _write_export(
+    tmp: Path, step: int, model, full, ema_full, trainer_state: dict, config: dict, extra_files: dict | None
+) -> None:
+    """Rank 0: model/, ema/, trainer.pt, config.yaml and the extra files into ``tmp``."""
     import yaml
+
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
 
     _export(model, full, tmp / "model")
     if ema_full is not None:
@@ -182,8 +189,9 @@ class AsyncFSDPCheckpointer:
         self._step, self._tmp, self._needed = 0, Path(), 0
 
     def save(
-        self, root: Path, step: int, model, optimizer, ema, trainer_state: dict, config: dict, keep: int
-    ):
+        self, root: Path, step: int, model, optimizer, ema, trainer_state: dict, config: dict, keep: int,
+        extra_files: dict[str, str] | None = None,
+    ):  # fmt: skip
         self.wait()
         tmp = root / f"step_{step:06d}.tmp"
         state = {**trainer_state, "rng": rng_state()}  # the saved step's, as a sync save takes it
@@ -201,19 +209,19 @@ class AsyncFSDPCheckpointer:
         self._done.clear()
         self._thread = threading.Thread(
             target=self._finish,
-            args=(future, root, step, tmp, model, full, ema_full, state, config, keep),
+            args=(future, root, step, tmp, model, full, ema_full, state, config, keep, extra_files),
             name="checkpoint-writer",
             daemon=True,
         )
         self._thread.start()
 
-    def _finish(self, future, root, step, tmp, model, full, ema_full, state, config, keep) -> None:
+    def _finish(self, future, root, step, tmp, model, full, ema_full, state, config, keep, extra) -> None:
         try:
             future.result()
             kill_point_for_tests(step)  # test-only, off by default: sharded/ written, the export not yet
             if self.is_main:
                 full, ema_full = _read_full(tmp / SHARDED, full, ema_full)
-                _write_export(tmp, step, model, full, ema_full, state, config)
+                _write_export(tmp, step, model, full, ema_full, state, config, extra)
                 commit_checkpoint(root, step, keep)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             self._error = err

@@ -190,10 +190,13 @@ class FSDPTrainer(DistributedTrainer):
         state = {"lr_schedule": self.lr_schedule.state_dict(), "bad_steps": self.bad_steps}
         args = (self.out / "checkpoints", self.step, self.model, self._optimizers(), self.ema, state)
         rest = (to_dict(self.cfg), self.cfg.train.keep_checkpoints)
+        extra = self.checkpoint_extras()  # the learner's state, as replicated checkpoints hold it
+        if self.is_main:
+            self.learner.save(self.out, self.step)
         if self._background is not None:  # staged now, written by DCP's thread; check() reports failures
-            self._background.save(*args, *rest)
+            self._background.save(*args, *rest, extra)
             return None
-        return save_fsdp_checkpoint(*args, *rest, self.world)
+        return save_fsdp_checkpoint(*args, *rest, self.world, extra)
 
     def _optimizers(self):
         """The optimizer, or the experts' (DCP's state-dict functions take a list)."""
