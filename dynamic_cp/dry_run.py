@@ -24,6 +24,7 @@ from dit.model import VideoDiT
 from dit.setup import build_datasets, check_cache_fits, clip_tokens, model_config_of, vae_stride
 from dit.sizes import model_kwargs
 from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.memory import FSDP_MODES
 from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
 
 GB = 1e9
@@ -250,7 +251,9 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
             echo("first step's plan: skipped (needs the data)")
         else:
             try:
-                plan = make_plan_fn(cfg, cost_model, world_size)(lengths)
+                plan = make_plan_fn(cfg, cost_model, world_size, mode if mode in FSDP_MODES else "none")(
+                    lengths
+                )
                 hist = ", ".join(f"CP{c} x{n}" for c, n in sorted(plan.cp_histogram().items()))
                 echo(
                     f"first step's plan: {len(plan.micro_batches)} micro-batches ({hist}), "

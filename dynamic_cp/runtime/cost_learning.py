@@ -42,8 +42,10 @@ from pathlib import Path
 
 from dynamic_cp.planning.cost_fit import Observation
 from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.fsdp_cost import simulate_mode
 from dynamic_cp.planning.groups_layout import block_around
 from dynamic_cp.planning.plan_types import Plan
+from dynamic_cp.planning.rounds import lockstep_rounds
 from dynamic_cp.planning.simulator import simulate, spans_nodes
 
 MIN_OBSERVATIONS = 3  # per (CP size, layout) before exploration stops asking for it
@@ -157,6 +159,9 @@ class CostLearner:
             return
         extra, m, ranks = best
         plan.micro_batches[m] = (ranks, plan.micro_batches[m][1])
+        # The moved micro-batch may now share ranks with its round's others: per_layer trainers cut a
+        # plan without rounds into greedy rounds in plan order (round order, as planned), per expert.
+        plan.rounds = None
         plan.info["layouts"][m] = layout
         plan.info["explore_s"] = extra
         plan.info["explored"] = f"cp{c} {layout[0]}x{layout[1]}"
@@ -180,7 +185,7 @@ class CostLearner:
                     continue
                 moved = Plan(list(plan.micro_batches), plan.world_size, plan.cap_tokens)
                 moved.micro_batches[m] = (block, ids)
-                step = simulate(moved, lengths, model, timeline=False).step_s
+                step = _step_s(moved, lengths, model, plan.fsdp)
                 own = model.micro_batch_time(L, c, spans_nodes(block, gpn))
                 layout_extra = (
                     _layout_time(model, L, c, layout, spans_nodes(block, gpn)) - own if c > 1 else 0.0
@@ -307,6 +312,13 @@ class CostLearner:
         return path
 
 
+def _step_s(plan: Plan, lengths, model: CostModel, fsdp: str) -> float:
+    """A candidate plan's step as its planner prices it: per_layer in greedy lockstep rounds."""
+    if fsdp == "per_layer":
+        return simulate_mode(lockstep_rounds(plan, plan.world_size), lengths, model, "per_layer").step_s
+    return simulate(plan, lengths, model, timeline=False).step_s
+
+
 def _at_speed(fitted: CostModel, speed: float) -> CostModel:
     return fitted if speed == 1.0 else fitted.scaled(speed)
 
@@ -365,9 +377,12 @@ def load_prior(hardware: str, run_dir: Path, resume: bool) -> Hardware | None:
 STATE_FILE = "cost_learning.json"  # in each checkpoint directory: the learner's state for exact resume
 
 
-def build_learner(cfg, model_config, world, device, start_step: int, resume_dir: Path | None) -> CostLearner:
+def build_learner(
+    cfg, model_config, world, device, start_step: int, resume_dir: Path | None, fsdp: str = "none"
+) -> CostLearner:
     """The run's learner: prior from ``parallel.hardware`` ('auto', a name or a path), state restored
-    from the checkpoint being resumed (so a resumed run plans exactly as the uninterrupted one)."""
+    from the checkpoint being resumed (so a resumed run plans exactly as the uninterrupted one).
+    ``fsdp``: the resolved weight-sharding mode the plans are made for."""
     from dynamic_cp.runtime.auto_hardware import auto_hardware
     from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, cp_sizes_of, make_plan_fn
 
@@ -392,7 +407,7 @@ def build_learner(cfg, model_config, world, device, start_step: int, resume_dir:
     )
     learner = CostLearner(
         prior,
-        lambda model, lengths: make_plan_fn(cfg, model, world_size)(lengths),
+        lambda model, lengths: make_plan_fn(cfg, model, world_size, fsdp)(lengths),
         start_step=start_step,
         plan_lag=1 if p.plan_ahead else 0,
         learn=p.learn_costs and not p.deterministic,

@@ -105,7 +105,8 @@ class DistributedTrainer(Trainer):
         # The planner's cost model starts from parallel.hardware and learns from the run
         # (dynamic_cp/runtime/cost_learning.py); plans carry the layouts they were priced with.
         resume_dir = resolve_checkpoint(resume) if resume is not None else None
-        self.learner = build_learner(cfg, self.model.config, world, self.device, self.step, resume_dir)
+        fsdp = getattr(self, "fsdp_mode", "none")  # FSDPTrainer resolves its mode before this runs
+        self.learner = build_learner(cfg, self.model.config, world, self.device, self.step, resume_dir, fsdp)
         self.cost_model = self.learner.prior
         # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
         splits = self.cost_model.cp_layout if cfg.parallel.cp_method == "auto" else None

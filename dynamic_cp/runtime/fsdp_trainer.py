@@ -12,6 +12,8 @@ The plan, routing and CP attention are the replicated runtime's; what changes (s
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -139,17 +141,14 @@ class FSDPTrainer(DistributedTrainer):
         return local_loss
 
     def _rounds_of(self, batch, timeline, t0, dit, plan, expert: str | None = None) -> float:
-        """Lockstep rounds of ``plan``'s micro-batches (of ``expert`` alone when given) on ``dit``."""
-        if expert is not None:
-            from dynamic_cp.planning.plan_types import Plan
-
-            ids = [m for m, e in enumerate(plan.info["experts"]) if e == expert]
-            sub = Plan([plan.micro_batches[m] for m in ids], plan.world_size, plan.cap_tokens)
-            rounds = lockstep_rounds(sub, self.world_size)
-            schedule = [None if m is None else ids[m] for m in rank_round_schedule(rounds, self.rank)]
-        else:
-            rounds = plan if getattr(plan, "rounds", None) else lockstep_rounds(plan, self.world_size)
-            schedule = rank_round_schedule(rounds, self.rank)
+        """Lockstep rounds of ``plan``'s micro-batches (of ``expert`` alone when given) on ``dit``:
+        the rounds the planner chose (Dynamic-CP's rounds planner, ``plan_rounds``), or static CP's
+        plan cut into greedy rounds, as ``simulate --fsdp per_layer`` prices each."""
+        plan = self._with_rounds(plan)
+        rounds = plan.rounds
+        if expert is not None:  # an expert's rounds hold its micro-batches only
+            rounds = [r for r in rounds if r and plan.info["experts"][r[0]] == expert]
+        schedule = rank_round_schedule(dataclasses.replace(plan, rounds=rounds), self.rank)
         schedule = schedule or [None]  # a step without clips: one empty round
         mine = dict(zip(batch.plan_indices, batch.micro_batches))
         local_loss = 0.0
@@ -166,6 +165,20 @@ class FSDPTrainer(DistributedTrainer):
                 continue
             local_loss += self._timed_micro_batch(batch, timeline, t0, m, *mine[m])
         return local_loss
+
+    def _with_rounds(self, plan):
+        """``plan`` with rounds: its own, or greedy rounds in plan order (``lockstep_rounds``), cut
+        per expert under model.expert=both so that no round mixes the two experts."""
+        if plan.rounds is not None:
+            return plan
+        if not self.both:
+            return lockstep_rounds(plan, self.world_size)
+        rounds = []
+        for name in ("high", "low"):
+            ids = [m for m, e in enumerate(plan.info["experts"]) if e == name]
+            sub = dataclasses.replace(plan, micro_batches=[plan.micro_batches[m] for m in ids], rounds=None)
+            rounds += [[ids[m] for m in r] for r in lockstep_rounds(sub, self.world_size).rounds]
+        return dataclasses.replace(plan, rounds=rounds)
 
     def _all_reduce(self, local_loss: float, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Gradients arrived reduce-scattered: only the loss and ``extra`` are summed here."""

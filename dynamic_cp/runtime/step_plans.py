@@ -14,7 +14,7 @@ from dynamic_cp.planning.baselines import static_plan
 from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
 from dynamic_cp.planning.groups_layout import default_cp_sizes, normalize_cp_sizes
 from dynamic_cp.planning.plan_types import Plan
-from dynamic_cp.planning.planner import plan as dynamic_plan
+from dynamic_cp.planning.rounds_planner import plan_for_mode
 
 # The built-in hashed text encoder keeps at most this many words; real encoders pad or cut captions
 # to data.text_max_length tokens.
@@ -55,12 +55,17 @@ def build_cost_model(cfg: Config, model_config, hardware: Hardware | None = None
     )
 
 
-def make_plan_fn(cfg: Config, cost_model: CostModel, world_size: int) -> Callable[[list[int]], Plan]:
-    """lengths -> Plan for ``parallel.mode`` ('dynamic' or 'static'); pure, safe in a thread."""
+def make_plan_fn(
+    cfg: Config, cost_model: CostModel, world_size: int, fsdp: str = "none"
+) -> Callable[[list[int]], Plan]:
+    """lengths -> Plan for ``parallel.mode`` ('dynamic' or 'static') under the resolved weight-sharding
+    mode ``fsdp``; pure, safe in a thread. Dynamic-CP under per_layer plans its lockstep rounds with
+    the rounds planner, the plan ``python -m dynamic_cp.simulate --fsdp per_layer`` prices; static CP
+    is cut into greedy rounds by the trainer, as the simulator cuts it."""
     cap = cap_tokens_of(cfg)
     sizes = cp_sizes_of(cfg, world_size)
     if cfg.parallel.mode == "dynamic":
-        return lambda lengths: dynamic_plan(lengths, world_size, cap, cost_model, cp_sizes=sizes)
+        return lambda lengths: plan_for_mode(lengths, world_size, cap, cost_model, fsdp, cp_sizes=sizes)
     if cfg.parallel.mode == "static":
         # Round-robin over the W/c groups, first-fit packing up to cap * c tokens: static CP as a
         # plain sharded loader does it (dynamic_cp.planning.baselines).
