@@ -52,8 +52,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dit.trainer import autocast_dtype
-
-FSDP_MODES = ("none", "per_step", "per_layer")
+from dynamic_cp.planning.memory import FSDP_MODES
 
 
 def memory_per_rank(cfg) -> float:
