@@ -332,11 +332,13 @@ class DistributedTrainer(Trainer):
 
     # ----------------------------------------------------------------------------- loop
 
+    # Replicas are identical: only the rank that logs evaluates (the others wait in the next step's
+    # first collective). Sharded weights are gathered by every forward, so FSDP evaluates on all.
+    validates_on_every_rank = False
+
     @torch.no_grad()
     def validation_loss(self) -> float:
-        # Replicas are identical; only the rank that logs evaluates (the others wait in the next
-        # step's first collective).
-        return super().validation_loss() if self.is_main else float("nan")
+        return super().validation_loss() if self.is_main or self.validates_on_every_rank else float("nan")
 
     def run_step(self, batch: StepBatch) -> tuple[dict, list[int]]:
         self._doing = f"step {self.step + 1}"

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from dit.checkpoint import resolve_checkpoint, set_rng_state
 from dit.config import Config, to_dict
 from dit.optim import build_optimizer
-from dit.trainer import Trainer
 from dynamic_cp.planning.rounds import lockstep_rounds, rank_round_schedule
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.fsdp import (
@@ -186,13 +185,14 @@ class FSDPTrainer(DistributedTrainer):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
         return float(flat[0]), flat[1:]
 
+    validates_on_every_rank = True  # every forward gathers weights from every rank
+
     @torch.no_grad()
     def validation_loss(self) -> float:
-        # Every forward gathers weights from every rank: all ranks evaluate the same clips.
         for dit in self._dits():
             configure(dit, keep_gathered=False, free_after_backward=True, sync=True, last_backward=True)
         try:
-            return Trainer.validation_loss(self)
+            return super().validation_loss()
         finally:
             for dit in self._dits():
                 release_weights(dit)
