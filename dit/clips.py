@@ -241,3 +241,15 @@ def micro_batch_loss(
     if clean is not None:
         weights = weights.masked_fill(clean, 0.0)
     return flow_loss(pred, noise - x0, weights)
+
+
+def validation_clips(samples: list[dict], encoder, patch, flow, sigmas) -> list[list[TrainClip]]:
+    """The held-out clips once per validation sigma, at fixed noise seeds and the fixed, unshifted
+    sigma itself: the same question at every evaluation, so losses compare across steps."""
+    out = []
+    for k, sigma in enumerate(sigmas):
+        clips = [prepare_clip(s, encoder, patch, flow, 0.0, seed=10_000 + k, step=0) for s in samples]
+        for clip in clips:
+            clip.sigma = float(sigma)
+        out.append(clips)
+    return out

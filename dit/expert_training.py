@@ -101,3 +101,18 @@ def expert_of_clip(clip, boundary: float) -> str:
     from dit.flow import model_timesteps, on_expert_side
 
     return "high" if bool(on_expert_side(model_timesteps([clip.sigma]), "high", boundary)) else "low"
+
+
+def pack_per_expert(clips, budget: int, boundary: float) -> list[list[int]]:
+    """Token-budget micro-batches (clip indices) of each expert's clips apart, high first, so that
+    every micro-batch runs one expert."""
+    from dit.batching import pack_by_token_budget
+    from dit.flow import EXPERTS
+
+    groups = []
+    for name in EXPERTS:
+        ids = [i for i, c in enumerate(clips) if expert_of_clip(c, boundary) == name]
+        groups += [
+            [ids[j] for j in g] for g in pack_by_token_budget([clips[i].num_tokens for i in ids], budget)
+        ]
+    return groups

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 
 import torch
 
-from dit.config import TrainConfig
 from data.quiet_imports import import_bitsandbytes
+from dit.config import TrainConfig
 
 # our name -> diffusers' scheduler name (SchedulerType)
 _DIFFUSERS_SCHEDULE = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}

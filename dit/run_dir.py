@@ -9,6 +9,8 @@ from step 0 (it logs the same steps anew).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
@@ -58,3 +60,22 @@ def drop_metrics_of_unsaved_run(output_dir: str) -> None:
         tmp.write_text("")
         os.replace(tmp, path)
         print(f"dropped the metrics in {path} of the run that stopped before its first checkpoint")
+
+
+def _step_of(line: str) -> float:
+    """The step of one metrics.jsonl line; infinity for a line cut short (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return math.inf
+
+
+def truncate_metrics(out: Path, step: int) -> None:
+    """A resumed run rewrites history after its checkpoint, so the log reads like one clean run."""
+    path = out / "metrics.jsonl"
+    if path.exists():
+        # a line cut by the kill (no closing brace) is dropped with the later ones
+        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)  # a kill while truncating leaves the old or the new log, whole

@@ -7,48 +7,38 @@ only how a step's clips are split into micro-batches and which attention each mi
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from data.cache_dataset import LatentCacheDataset
 from data.cli import RunStopped
 from data.failures import absorb_worker_failures
-from data.image_encoders import load_image_encoder
 from dit.attention import PackedAttention
 from dit.batching import pack_by_token_budget, step_loader
 from dit.checkpoint import (
     load_trainer_state,
-    load_weights,
     resolve_checkpoint,
     save_checkpoint,
     set_rng_state,
 )
-from dit.clips import ClipEncoder, TrainClip, micro_batch_loss, prepare_clip
+from dit.clips import TrainClip, micro_batch_loss, prepare_clip, validation_clips
 from dit.compile import compile_blocks
 from dit.config import Config, to_dict
 from dit.device_memory import bar_text, peak_memory, reset_peak
 from dit.ema import EMA, AdapterEMA
 from dit.flops import train_step_flops
-from dit.image_cond import conditioning_of
 from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
+from dit.run_dir import truncate_metrics
 from dit.setup import (
-    build_datasets,
-    build_model,
-    build_text_encoder,
-    build_vae,
-    check_cache_fits,
     expert_of,
-    vae_stride,
 )
-from dit.ti2v import check_ti2v_data
 from dit.tracking import Tracker, check_trackers_installed
+from dit.train_setup import build_train_data, build_train_model, check_train_options, validation_sigmas
+from dit.trainer_resume import ema_folder, load_adapters, load_model_weights
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -56,33 +46,6 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
     if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
-
-
-def _step_of(line: str) -> float:
-    """The step of one metrics.jsonl line; infinity for a line cut short (it is dropped)."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError):
-        return math.inf
-
-
-def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
-    """``load_weights`` of one VideoDiT, or of both experts of an ExpertPair (its save_pretrained
-    folders: transformer/ and transformer_2/)."""
-    from dit.experts import ExpertPair
-
-    if not isinstance(model, ExpertPair):
-        load_weights(model, directory)
-        return
-    from dit.wan_import import EXPERT_FOLDERS
-
-    for name, folder in EXPERT_FOLDERS.items():
-        if not (directory / folder).is_dir():
-            raise ValueError(
-                f"model.expert=both: {directory} holds no {folder}/ (one expert's checkpoint); resume "
-                "it with model.expert=high or low, or start both from a Wan2.2 A14B folder"
-            )
-        load_weights(getattr(model, name), directory / folder)
 
 
 class Trainer:
@@ -102,78 +65,16 @@ class Trainer:
                 "leave no whole checkpoint to resume; keep 2 or more"
             )
         self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
-        if self.expert and self.expert[0] == "both" and cfg.train.sample_every:
-            raise ValueError(
-                f"train.sample_every={cfg.train.sample_every} with model.expert=both: validation clips of two "
-                "experts are not supported yet; set train.sample_every=0 and sample the checkpoint's model/ "
-                "with sample.py --pretrained"
-            )
-        if self.expert and cfg.train.sample_every:
-            raise ValueError(
-                f"train.sample_every={cfg.train.sample_every} with model.expert={self.expert[0]}: validation "
-                "clips would run this one expert at every step; set train.sample_every=0 and sample both "
-                "experts with sample.py --pretrained"
-            )
-        self.val_sigmas = self._val_sigmas()
         self.both = bool(self.expert) and self.expert[0] == "both"  # two experts, dit/expert_training.py
-        if self.both and cfg.model.idle_expert == "cpu":
-            raise ValueError(
-                "model.idle_expert=cpu is priced by --dry-run (dynamic_cp/planning/memory.py) but training does "
-                "not offload the idle expert yet; set model.idle_expert=sharded (or train one expert per run)"
-            )
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, self.expert[1] if self.both else None)
+        check_train_options(cfg, self.expert)
+        self.val_sigmas = validation_sigmas(cfg.flow.val_sigmas, self.expert)
         self.lora = cfg.model.lora is not None
-        if self.lora:  # frozen base in the compute dtype, fp32 adapters: the only trainable parameters
-            from dit.lora import setup_lora
-
-            # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
-            if self.both:  # one adapter per expert, each saved as its own diffusers file
-                if cfg.model.lora_init is not None:
-                    raise ValueError(
-                        f"model.lora_init={cfg.model.lora_init} with model.expert=both: one file cannot start "
-                        "both experts' adapters; drop model.lora_init, or train one expert (model.expert=high|low)"
-                    )
-                for expert in (model.high, model.low):
-                    setup_lora(expert, cfg.model.lora, None, self.compute_dtype())
-            else:
-                setup_lora(model, cfg.model.lora, cfg.model.lora_init, self.compute_dtype())
+        model = build_train_model(cfg, self.expert, self.compute_dtype())
         self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
-        self.train_set, self.train_indices, self.val_set, self.val_indices = build_datasets(
-            cfg.data, self.patch
+        self.train_set, self.train_indices, self.val_set, self.val_indices, self.encoder = build_train_data(
+            cfg, self.model.config, self.device
         )
-        self.encoder = ClipEncoder(
-            lambda: build_vae(cfg.data, self.device),
-            lambda: build_text_encoder(cfg.data, self.model.config.text_dim, self.device),
-            self.device,
-            empty_text=getattr(self.train_set, "empty_text_emb", None),
-            build_image_encoder=lambda: load_image_encoder(cfg.data.image_encoder_path, str(self.device)),
-        )
-        # a latent cache says its channels; otherwise the VAE (built here, as training will need it) does
-        channels = getattr(self.train_set, "latent_channels", None)
-        if channels is None:
-            channels = 3 if self.encoder.vae is None else self.encoder.vae.latent_channels
-        check_ti2v_data(
-            self.model.config,
-            channels,
-            cfg.flow.clean_first_frame,
-            getattr(self.train_set, "latent_channels", None) is not None,
-        )
-        # text-to-video, or image-to-video (mask + image latent as extra input channels); else a ValueError
-        self.encoder.conditioning = conditioning_of(self.model.config, channels, vae_stride(cfg.data)[0])
-        if self.encoder.conditioning and cfg.train.sample_every:
-            raise ValueError(
-                f"train.sample_every={cfg.train.sample_every}: validation clips of an image-to-video model are "
-                "not supported yet; set train.sample_every=0 and sample with sample.py --image PATH"
-            )
-        cached = getattr(self.train_set, "latent_channels", None) is not None
-        if isinstance(self.train_set, LatentCacheDataset):  # one made for another model is refused here
-            check_cache_fits(cfg.data, self.train_set, self.encoder.conditioning, self.model.config.image_dim)
-        if self.encoder.conditioning and self.encoder.conditioning.clip_tokens and not cached:
-            _ = (
-                self.encoder.image_encoder
-            )  # built now (training needs it): a bad path fails here, not at step 1
         self._shard_model()
         self.optimizer = self._build_optimizer()
         if self.both:
@@ -195,23 +96,6 @@ class Trainer:
         self._val_clips: list[list[TrainClip]] | None = None
         if resume is not None:
             self._resume(resume)
-
-    def _val_sigmas(self) -> list[float]:
-        """flow.val_sigmas, less those on the other expert's side of the switch (an expert is never
-        run there, so its loss there says nothing)."""
-        sigmas = list(self.cfg.flow.val_sigmas)
-        if self.expert is None or self.expert[0] == "both":  # both: each sigma's own expert answers
-            return sigmas
-        from dit.flow import model_timesteps, on_expert_side
-
-        kept = [s for s, ok in zip(sigmas, on_expert_side(model_timesteps(sigmas), *self.expert)) if ok]
-        if not kept:
-            name, ratio = self.expert
-            raise ValueError(
-                f"flow.val_sigmas={sigmas} has no sigma on the {name} expert's side of {ratio}; add one, e.g. "
-                f"flow.val_sigmas=[{(1 + ratio) / 2 if name == 'high' else ratio / 2:.3g}]"
-            )
-        return kept
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer, gradient clipping and the gradient all-reduce see: every parameter that
@@ -276,23 +160,12 @@ class Trainer:
             print(f"resumed from {step_dir} at step {self.step}")
 
     def _resume_lora(self, step_dir: Path) -> None:
-        from dit.lora import model_adapter_values
-
-        live = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, value in model_adapter_values(self.model, step_dir / "model").items():
-                live[name].copy_(value)
-        if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed adapters
-            ema_dir = step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
-            for name, value in model_adapter_values(self.model, ema_dir).items():
-                self.ema.state[name].copy_(value)
+        load_adapters(self.model, self.ema, step_dir)
 
     def _resume_weights(self, step_dir: Path) -> None:
         load_model_weights(self.model, step_dir / "model")
         if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
-            load_model_weights(
-                self.ema.model, step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
-            )
+            load_model_weights(self.ema.model, ema_folder(step_dir))
 
     def save(self) -> Path:
         state = {
@@ -318,14 +191,7 @@ class Trainer:
         return {}
 
     def _truncate_metrics(self, step: int) -> None:
-        """A resumed run rewrites history after its checkpoint, so the log reads like one clean run."""
-        path = self.out / "metrics.jsonl"
-        if path.exists():
-            # a line cut by the kill (no closing brace) is dropped with the later ones
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)  # a kill while truncating leaves the old or the new log, whole
+        truncate_metrics(self.out, step)
 
     @property
     def tracker(self) -> Tracker:
@@ -396,16 +262,9 @@ class Trainer:
         budget = self.cfg.train.micro_batch_tokens
         if not self.both:
             return pack_by_token_budget([c.num_tokens for c in clips], budget)
-        from dit.expert_training import expert_of_clip
-        from dit.flow import EXPERTS
+        from dit.expert_training import pack_per_expert
 
-        groups = []
-        for name in EXPERTS:
-            ids = [i for i, c in enumerate(clips) if expert_of_clip(c, self.expert[1]) == name]
-            groups += [
-                [ids[j] for j in g] for g in pack_by_token_budget([clips[i].num_tokens for i in ids], budget)
-            ]
-        return groups
+        return pack_per_expert(clips, budget, self.expert[1])
 
     def finish_step(self, loss: float) -> dict:
         """Clip, guard against non-finite values, step the optimizer, LR schedule and EMA."""
@@ -437,15 +296,9 @@ class Trainer:
         self.model.eval()
         if self._val_clips is None:  # fixed inputs: encode once, reuse at every evaluation
             samples = [self.val_set[i] for i in self.val_indices]
-            self._val_clips = []
-            for k, sigma in enumerate(self.val_sigmas):
-                clips = [
-                    prepare_clip(s, self.encoder, self.patch, self.cfg.flow, 0.0, seed=10_000 + k, step=0)
-                    for s in samples
-                ]
-                for clip in clips:
-                    clip.sigma = float(sigma)  # fixed, unshifted: the same question at every evaluation
-                self._val_clips.append(clips)
+            self._val_clips = validation_clips(
+                samples, self.encoder, self.patch, self.cfg.flow, self.val_sigmas
+            )
         losses = []
         for clips in self._val_clips:
             for group in pack_by_token_budget(
@@ -477,19 +330,11 @@ class Trainer:
         sampling may take)."""
         if not self.is_main:
             return []
-        from dit.sampling import generate, write_clips
+        from dit.train_samples import training_samples
 
         t = self.cfg.train
-        frames, height, width = t.sample_shape
         with self.sampling_weights() as model, self.autocast():
-            model.eval()
-            videos = generate(
-                model, self.encoder.text_encoder, self.encoder.vae, list(t.sample_prompts), frames, height,
-                width, steps=t.sample_steps, guidance=t.sample_guidance, shift=self.cfg.flow.shift, seed=t.seed,
-            )  # fmt: skip
-        paths = write_clips(
-            videos, t.sample_prompts, self.out / "samples", t.seed, tag=f"step{self.step:06d}_"
-        )
+            videos, paths = training_samples(model, self.encoder, t, self.cfg.flow.shift, self.out, self.step)
         for i, (prompt, video, mp4) in enumerate(zip(t.sample_prompts, videos, paths)):
             self.tracker.log_video(f"samples/{i:02d}", video, self.step, caption=prompt, mp4=mp4)
         return [str(p) for p in paths]

@@ -27,7 +27,7 @@ from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dynamic_cp.runtime.launch import resolve_auto_fsdp, trainer_class
 from dynamic_cp.runtime.testing import run_gloo
-from tests.test_fsdp import CONFIG, LR, U, PerturbedTrainer, perturb
+from tests.test_fsdp import CONFIG, LR, PerturbedTrainer, U, perturb
 
 pytestmark = pytest.mark.timeout(900)  # two spawns of 3 and 5 ranks on a shared 2-core machine
 MODES = ("none", "per_step", "per_layer")

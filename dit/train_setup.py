@@ -1,0 +1,116 @@
+"""What a training run builds before its first step, and the option checks that guard it.
+
+``Trainer.__init__`` (dit/trainer.py) calls these in order: ``check_train_options`` (combinations
+that cannot run, each refused with the fix), ``validation_sigmas``, ``build_train_model`` (the VideoDiT or A14B's pair,
+LoRA adapters on a frozen base) and ``build_train_data`` (datasets, the clip encoder, and the checks
+that the data fits the model: text- or image-to-video, TI2V, a latent cache made for another model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from data.cache_dataset import LatentCacheDataset
+from data.image_encoders import load_image_encoder
+from dit.clips import ClipEncoder
+from dit.config import Config
+from dit.image_cond import conditioning_of
+from dit.setup import build_datasets, build_model, build_text_encoder, build_vae, check_cache_fits, vae_stride
+from dit.ti2v import check_ti2v_data
+
+
+def check_train_options(cfg: Config, expert: tuple[str, float] | None) -> None:
+    """ValueError naming the fix for option combinations training does not run."""
+    sample_every = cfg.train.sample_every
+    if expert and expert[0] == "both" and sample_every:
+        raise ValueError(
+            f"train.sample_every={sample_every} with model.expert=both: validation clips of two "
+            "experts are not supported yet; set train.sample_every=0 and sample the checkpoint's model/ "
+            "with sample.py --pretrained"
+        )
+    if expert and sample_every:
+        raise ValueError(
+            f"train.sample_every={sample_every} with model.expert={expert[0]}: validation "
+            "clips would run this one expert at every step; set train.sample_every=0 and sample both "
+            "experts with sample.py --pretrained"
+        )
+    if expert and expert[0] == "both" and cfg.model.idle_expert == "cpu":
+        raise ValueError(
+            "model.idle_expert=cpu is priced by --dry-run (dynamic_cp/planning/memory.py) but training does "
+            "not offload the idle expert yet; set model.idle_expert=sharded (or train one expert per run)"
+        )
+
+
+def validation_sigmas(sigmas, expert: tuple[str, float] | None) -> list[float]:
+    """flow.val_sigmas, less those on the other expert's side of the switch (an expert is never run
+    there, so its loss there says nothing); under model.expert=both each sigma's own expert answers."""
+    sigmas = list(sigmas)
+    if expert is None or expert[0] == "both":
+        return sigmas
+    from dit.flow import model_timesteps, on_expert_side
+
+    kept = [s for s, ok in zip(sigmas, on_expert_side(model_timesteps(sigmas), *expert)) if ok]
+    if not kept:
+        name, ratio = expert
+        raise ValueError(
+            f"flow.val_sigmas={sigmas} has no sigma on the {name} expert's side of {ratio}; add one, e.g. "
+            f"flow.val_sigmas=[{(1 + ratio) / 2 if name == 'high' else ratio / 2:.3g}]"
+        )
+    return kept
+
+
+def build_train_model(cfg: Config, expert: tuple[str, float] | None, compute_dtype: torch.dtype):
+    """The model to train, on the CPU, from ``train.seed``: a VideoDiT, or under model.expert=both an
+    ExpertPair; with model.lora a frozen base in ``compute_dtype`` and fp32 adapters, the only
+    trainable parameters."""
+    both = bool(expert) and expert[0] == "both"
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, expert[1] if both else None)
+    if cfg.model.lora is None:
+        return model
+    from dit.lora import setup_lora
+
+    # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
+    if not both:
+        setup_lora(model, cfg.model.lora, cfg.model.lora_init, compute_dtype)
+        return model
+    if cfg.model.lora_init is not None:  # one adapter per expert, each saved as its own diffusers file
+        raise ValueError(
+            f"model.lora_init={cfg.model.lora_init} with model.expert=both: one file cannot start "
+            "both experts' adapters; drop model.lora_init, or train one expert (model.expert=high|low)"
+        )
+    for one in (model.high, model.low):
+        setup_lora(one, cfg.model.lora, None, compute_dtype)
+    return model
+
+
+def build_train_data(cfg: Config, model_config, device: torch.device):
+    """-> (train set, train indices, val set, val indices, ClipEncoder) for a model of
+    ``model_config``; ValueError when the data cannot train it."""
+    patch = tuple(model_config.patch_size)
+    train_set, train_indices, val_set, val_indices = build_datasets(cfg.data, patch)
+    encoder = ClipEncoder(
+        lambda: build_vae(cfg.data, device),
+        lambda: build_text_encoder(cfg.data, model_config.text_dim, device),
+        device,
+        empty_text=getattr(train_set, "empty_text_emb", None),
+        build_image_encoder=lambda: load_image_encoder(cfg.data.image_encoder_path, str(device)),
+    )
+    # a latent cache says its channels; otherwise the VAE (built here, as training will need it) does
+    cached_channels = getattr(train_set, "latent_channels", None)
+    channels = cached_channels
+    if channels is None:
+        channels = 3 if encoder.vae is None else encoder.vae.latent_channels
+    check_ti2v_data(model_config, channels, cfg.flow.clean_first_frame, cached_channels is not None)
+    # text-to-video, or image-to-video (mask + image latent as extra input channels); else a ValueError
+    encoder.conditioning = conditioning_of(model_config, channels, vae_stride(cfg.data)[0])
+    if encoder.conditioning and cfg.train.sample_every:
+        raise ValueError(
+            f"train.sample_every={cfg.train.sample_every}: validation clips of an image-to-video model are "
+            "not supported yet; set train.sample_every=0 and sample with sample.py --image PATH"
+        )
+    if isinstance(train_set, LatentCacheDataset):  # one made for another model is refused here
+        check_cache_fits(cfg.data, train_set, encoder.conditioning, model_config.image_dim)
+    if encoder.conditioning and encoder.conditioning.clip_tokens and cached_channels is None:
+        _ = encoder.image_encoder  # built now (training needs it): a bad path fails here, not at step 1
+    return train_set, train_indices, val_set, val_indices, encoder
