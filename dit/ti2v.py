@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dit.model import per_token
+from dit.blocks import per_token
 
 
 def check_first_frame_patch(patch_size) -> None:

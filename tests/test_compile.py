@@ -17,9 +17,9 @@ import torch._inductor.config
 
 from dit.attention import PackedAttention, cu_seqlens_from_lengths
 from dit.batching import pack_by_token_budget
+from dit.blocks import DiTBlock
 from dit.compile import compile_blocks, logged_recompiles
 from dit.config import load_config
-from dit.model import DiTBlock
 from dit.trainer import Trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

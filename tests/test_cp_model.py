@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from dit.attention import PackedAttention, cu_seqlens_from_lengths
-from dit.model import DiTBlock, RotaryEmbedding3D, VideoDiT
+from dit.blocks import DiTBlock, RotaryEmbedding3D
+from dit.model import VideoDiT
 from dit.packing import pack
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.runtime.groups import build_cp_groups

@@ -7,7 +7,8 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from dit.attention import PackedAttention, varlen_attention
-from dit.model import VideoDiT, apply_rotary
+from dit.blocks import apply_rotary
+from dit.model import VideoDiT
 from dit.packing import grid_positions, pack, unpack
 
 SMALL = dict(
