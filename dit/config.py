@@ -61,11 +61,16 @@ class ModelConfig:
     # the expert switch on the shifted schedule (0.875 T2V-A14B, 0.9 I2V-A14B); None = the
     # model_index.json of model.pretrained
     boundary_ratio: float | None = None
+    # the frozen LoRA base (dit/fp8_base.py): auto (compute dtype), bf16, fp32, fp8_e4m3 (one scale
+    # per matrix) or fp8_scaled (one per row): the blocks' linears in 1 byte a weight
+    base_dtype: str = "auto"
 
     def __post_init__(self):
         from dit.flow import EXPERTS
+        from dit.fp8_base import check_base_dtype
         from dit.sizes import MODEL_SIZES
 
+        check_base_dtype(self.base_dtype, self.lora is not None)
         if self.expert is not None and self.expert not in (*EXPERTS, "both"):
             raise ValueError(
                 f"model.expert={self.expert!r} is not an expert; choose 'high' (transformer/, high noise), "

@@ -68,19 +68,24 @@ def build_train_model(cfg: Config, expert: tuple[str, float] | None, compute_dty
     model = build_model(cfg.model, expert[1] if both else None)
     if cfg.model.lora is None:
         return model
+    from dit.fp8_base import base_storage_dtype, store_base_in_fp8
     from dit.lora import setup_lora
 
     # cast before the move: a 14B base reaches the GPU as 28 GB of bf16, never as 57 GB of fp32
+    base = cfg.model.base_dtype
+    frozen = base_storage_dtype(base, compute_dtype)
     if not both:
-        setup_lora(model, cfg.model.lora, cfg.model.lora_init, compute_dtype)
-        return model
-    if cfg.model.lora_init is not None:  # one adapter per expert, each saved as its own diffusers file
+        setup_lora(model, cfg.model.lora, cfg.model.lora_init, frozen)
+    elif cfg.model.lora_init is not None:  # one adapter per expert, each saved as its own diffusers file
         raise ValueError(
             f"model.lora_init={cfg.model.lora_init} with model.expert=both: one file cannot start "
             "both experts' adapters; drop model.lora_init, or train one expert (model.expert=high|low)"
         )
-    for one in (model.high, model.low):
-        setup_lora(one, cfg.model.lora, None, compute_dtype)
+    else:
+        for one in (model.high, model.low):
+            setup_lora(one, cfg.model.lora, None, frozen)
+    if base.startswith("fp8"):  # quantised once, here, from the loaded (or fresh) base
+        store_base_in_fp8(model, per_row=base == "fp8_scaled", compute_dtype=compute_dtype)
     return model
 
 
