@@ -77,10 +77,12 @@ def part2(rank: int) -> None:
     from accelerate import init_empty_weights
 
     from dit import lora
-    from dit.config import LoraSettings
     from dit.model import VideoDiT
+    from dit.model_config import LoraSettings
     from dit.sizes import model_kwargs
-    from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+    from dynamic_cp.planning.cost_model import CostModel
+    from dynamic_cp.planning.hardware import Hardware
+    from dynamic_cp.planning.model_dims import ModelDims
 
     with init_empty_weights():
         model = VideoDiT(**model_kwargs("wan-14b"))

@@ -50,7 +50,8 @@ from dit.packing import grid_positions  # noqa: E402
 from dynamic_cp.attention.comm_clock import CommClock  # noqa: E402
 from dynamic_cp.attention.cp_attention import make_cp_attention  # noqa: E402
 from dynamic_cp.planning.cost_fit import Observation  # noqa: E402
-from dynamic_cp.planning.cost_model import CostModel, Hardware  # noqa: E402
+from dynamic_cp.planning.cost_model import CostModel  # noqa: E402
+from dynamic_cp.planning.hardware import Hardware  # noqa: E402
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer  # noqa: E402
 from dynamic_cp.runtime.step_plans import build_cost_model  # noqa: E402
 from dynamic_cp.runtime.testing import run_gloo  # noqa: E402

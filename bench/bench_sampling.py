@@ -172,12 +172,8 @@ def headroom(job, cost, world: int = 8, sizes=(2, 3, 4, 5, 6, 8, 12, 16, 24), qu
     size, the best fixed degree's makespan over the lower bound, over the best of every combination of
     options list-scheduled (up to 4 requests: all 7^4 of them), and over the dynamic plan."""
     from dynamic_cp.planning.groups_layout import normalize_cp_sizes
-    from dynamic_cp.planning.sampling_planner import (
-        job_options,
-        list_schedule,
-        plan_sampling,
-        sampling_token_cap,
-    )
+    from dynamic_cp.planning.memory import sampling_token_cap
+    from dynamic_cp.planning.sampling_planner import job_options, list_schedule, plan_sampling
 
     cap = sampling_token_cap(cost.dims, cost.hw.memory_bytes)
     rng = random.Random(1)
@@ -210,14 +206,8 @@ def headroom(job, cost, world: int = 8, sizes=(2, 3, 4, 5, 6, 8, 12, 16, 24), qu
 
 def simulated() -> None:
     from dynamic_cp.planning.cost_model import CostModel
-    from dynamic_cp.planning.sampling_planner import (
-        SamplingJob,
-        decode_seconds,
-        job_seconds,
-        plan_sampling,
-        sampling_token_cap,
-        weight_bytes,
-    )
+    from dynamic_cp.planning.memory import sampling_token_cap, weight_bytes
+    from dynamic_cp.planning.sampling_planner import SamplingJob, decode_seconds, job_seconds, plan_sampling
 
     def job(frames, h, w):  # Wan's VAE: 4x time and 8x8 space, then 1x2x2 patches
         return SamplingJob((1 + (frames - 1) // 4) * (h // 16) * (w // 16), 50, True, pixels=frames * h * w)

@@ -1,7 +1,7 @@
 """The config as the command line shows it: every key with its default and its comment, and the merged
 config as YAML.
 
-The comment written beside each field in ``dit/config.py`` is its documentation; ``field_docs`` reads
+The comment written beside each field in ``dit/config.py`` (and ``dit/model_config.py``) is its documentation; ``field_docs`` reads
 it from the source (comment on the field's lines, else the comment block right above it), so
 ``train.py --help`` never keeps a second copy that could drift.
 """
@@ -12,19 +12,19 @@ import ast
 import dataclasses
 import inspect
 import io
+import sys
 import tokenize
 import typing
 from functools import cache
 
 import yaml
 
-from dit import config as config_module
 from dit.config import Config, to_dict
 
 
 @cache
-def _comments_by_line() -> dict[int, str]:
-    source = inspect.getsource(config_module)
+def _comments_by_line(module) -> dict[int, str]:
+    source = inspect.getsource(module)
     out = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -33,14 +33,15 @@ def _comments_by_line() -> dict[int, str]:
 
 
 @cache
-def _source_lines() -> list[str]:
-    return inspect.getsource(config_module).splitlines()
+def _source_lines(module) -> list[str]:
+    return inspect.getsource(module).splitlines()
 
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field name: its comment} for dataclass ``cls`` of dit/config.py."""
-    comments, lines = _comments_by_line(), _source_lines()
+    """{field name: its comment} for dataclass ``cls`` of dit/config.py (or dit/model_config.py)."""
+    module = sys.modules[cls.__module__]
+    comments, lines = _comments_by_line(module), _source_lines(module)
     tree = ast.parse("\n".join(lines))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     docs = {}

@@ -23,8 +23,8 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
-from dit.config import LoraSettings
 from dit.model import cast_weights
+from dit.model_config import LoraSettings
 from dit.wan_import import PATCH_WEIGHT, ours_to_wan, wan_to_ours
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE

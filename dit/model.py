@@ -70,6 +70,11 @@ def pad_text(text: torch.Tensor, text_lens: torch.Tensor, length: int) -> tuple[
     return padded, torch.full_like(text_lens, length)
 
 
+def checkpoint_block(block: nn.Module, *args) -> torch.Tensor:
+    """Gradient checkpointing of one block: only its inputs are kept, its activations recomputed."""
+    return checkpoint(block, *args, use_reentrant=False)
+
+
 class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """Packed video DiT. Config names follow diffusers' WanTransformer3DModel where they overlap.
 
@@ -143,6 +148,8 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.proj_out = nn.Linear(dim, self.out_patch_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.gradient_checkpointing = False
+        # (block, *args) -> block's output, recomputed in backward; dit/block_offload.py may swap it
+        self.checkpoint_fn = checkpoint_block
         if adaln_zero_init:
             self._adaln_zero_init()
 
@@ -205,7 +212,7 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             if rows is not None:  # absent otherwise: the block's call (and compiled graph) stays as it was
                 args += (rows,)
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, *args, use_reentrant=False)
+                x = self.checkpoint_fn(block, *args)
             else:
                 x = block(*args)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from data.types import ClipMeta
-from dit.config import DataConfig, ModelConfig
+from dit.config import DataConfig
 from dit.model import VideoDiT
+from dit.model_config import ModelConfig
 from dit.sizes import model_kwargs
 
 

@@ -12,6 +12,7 @@ import torch
 
 from data.cache_dataset import LatentCacheDataset
 from data.image_encoders import load_image_encoder
+from dit.block_offload import models_of
 from dit.clips import ClipEncoder
 from dit.config import Config
 from dit.image_cond import conditioning_of
@@ -21,6 +22,11 @@ from dit.ti2v import check_ti2v_data
 
 def check_train_options(cfg: Config, expert: tuple[str, float] | None) -> None:
     """ValueError naming the fix for option combinations training does not run."""
+    if cfg.model.offload != "none" and not cfg.model.gradient_checkpointing:
+        raise ValueError(
+            f"model.offload={cfg.model.offload} trains by bringing each block back for its recompute in "
+            "backward; set model.gradient_checkpointing=true (or model.offload=none)"
+        )
     sample_every = cfg.train.sample_every
     if expert and expert[0] == "both" and sample_every:
         raise ValueError(
@@ -87,6 +93,16 @@ def build_train_model(cfg: Config, expert: tuple[str, float] | None, compute_dty
     if base.startswith("fp8"):  # quantised once, here, from the loaded (or fresh) base
         store_base_in_fp8(model, per_row=base == "fp8_scaled", compute_dtype=compute_dtype)
     return model
+
+
+def blocks_to_offload(cfg: Config, model) -> int:
+    """``model.offload_blocks`` as a number. The distributed launcher turns ``auto`` into the fewest
+    blocks that fit (``dynamic_cp.runtime.launch.resolve_auto_offload``, from the memory model); a
+    single-process run, which has no memory model, offloads every block under ``auto``."""
+    if cfg.model.offload == "none":
+        return 0
+    layers = len(models_of(model)[0].blocks)
+    return layers if cfg.model.offload_blocks == "auto" else cfg.model.offload_blocks
 
 
 def build_train_data(cfg: Config, model_config, device: torch.device):

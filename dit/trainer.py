@@ -18,6 +18,7 @@ from data.cli import RunStopped
 from data.failures import absorb_worker_failures
 from dit.attention import PackedAttention
 from dit.batching import pack_by_token_budget, step_loader
+from dit.block_offload import offload_model
 from dit.checkpoint import (
     load_trainer_state,
     resolve_checkpoint,
@@ -37,7 +38,13 @@ from dit.setup import (
     expert_of,
 )
 from dit.tracking import Tracker, check_trackers_installed
-from dit.train_setup import build_train_data, build_train_model, check_train_options, validation_sigmas
+from dit.train_setup import (
+    blocks_to_offload,
+    build_train_data,
+    build_train_model,
+    check_train_options,
+    validation_sigmas,
+)
 from dit.trainer_resume import ema_folder, load_adapters, load_model_weights
 
 
@@ -70,6 +77,7 @@ class Trainer:
         self.val_sigmas = validation_sigmas(cfg.flow.val_sigmas, self.expert)
         self.lora = cfg.model.lora is not None
         model = build_train_model(cfg, self.expert, self.compute_dtype())
+        self.offloaders = offload_model(model, cfg.model, self.device, blocks_to_offload(cfg, model))
         self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
         self.train_set, self.train_indices, self.val_set, self.val_indices, self.encoder = build_train_data(

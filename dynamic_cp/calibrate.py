@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from data.cli import add_debug_flag, run_cli
-from dynamic_cp.planning.cost_model import ATTN_TRAIN, Hardware
+from dynamic_cp.planning.cost_model import ATTN_TRAIN
+from dynamic_cp.planning.hardware import Hardware
 
 OPS_PER_LAYER = 40  # kernels a DiT block launches per fwd+bwd, order of magnitude
 

@@ -23,8 +23,9 @@ from dit.image_cond import conditioning_of
 from dit.model import VideoDiT
 from dit.setup import build_datasets, check_cache_fits, clip_tokens, model_config_of, vae_stride
 from dit.sizes import model_kwargs
-from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.memory import FSDP_MODES
+from dynamic_cp.runtime.run_memory import MEMORY_FRACTION
 from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
 
 GB = 1e9
@@ -74,62 +75,21 @@ def token_stats(lengths: list[int]) -> dict[str, float]:
     }
 
 
-def memory_estimate(cfg: Config, model: VideoDiT, cost_model: CostModel, world_size: int) -> dict[str, float]:
-    """Bytes per GPU of this trainer as it runs today: fp32 weights (bf16 autocast computes, fp32
-    stays the master copy), fp32 gradients, AdamW moments (sharded by ZeRO-1 over the world when
-    ``parallel.shard_optimizer``; 2 bytes a parameter for adamw_8bit), an fp32 EMA copy, and the
-    cost model's activations for one micro-batch of ``cap_tokens``. The one place to swap in a
-    fuller memory model."""
-    params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    t, p = cfg.train, cfg.parallel
-    zero = p.mode != "none" and p.shard_optimizer and world_size > 1
-    moment_bytes = 2 if t.optimizer == "adamw_8bit" else 8
-    parts = {
-        "weights": 4 * params,
-        "gradients": 4 * trainable,
-        "optimizer": moment_bytes * trainable / (world_size if zero else 1),
-        "ema": 4 * params if t.ema_decay > 0 else 0,
-        "activations": cost_model.activation_bytes_per_token(cfg.model.gradient_checkpointing)
-        * (cap_tokens_of(cfg) if p.mode != "none" else t.micro_batch_tokens),
-    }
-    if cfg.model.expert == "both":  # the idle expert at rest: on the GPU ('sharded') or the host ('cpu')
-        rest = sum(parts[k] for k in ("weights", "gradients", "optimizer", "ema"))
-        on_gpu = cfg.model.idle_expert == "sharded"
-        parts["idle expert"], parts["host"] = (rest, 0.0) if on_gpu else (0.0, rest)
-    parts["total"] = sum(v for k, v in parts.items() if k != "host")
-    parts["gpu"] = cost_model.hw.memory_bytes
-    return parts
-
-
-def sharded_memory_estimate(
-    cfg: Config, model: VideoDiT, world_size: int, replicated: dict[str, float]
-) -> tuple[str, dict[str, float]]:
-    """(fsdp mode, bytes per GPU by part) of the distributed runtime: ``parallel.fsdp`` as the
-    launcher resolves it (``auto``: for the profile's memory), priced by the memory model
-    (``dynamic_cp.planning.memory``) when it shards; ``replicated`` (``memory_estimate``) otherwise."""
-    from dynamic_cp.planning.memory import memory_breakdown
+def memory_estimate(cfg: Config, model: VideoDiT, world_size: int, gpu_bytes: float) -> tuple[str, dict]:
+    """(fsdp mode, bytes per GPU by part) from the memory model, as the run decides by it
+    (``dynamic_cp.runtime.run_memory``): ``parallel.fsdp`` as the launcher resolves it (``auto``: for
+    ``gpu_bytes``), the LoRA base as ``model.base_dtype`` stores it and ``model.offload`` places it,
+    and one micro-batch of ``parallel.cap_tokens`` a rank (``train.micro_batch_tokens`` unparallel)."""
     from dynamic_cp.runtime.fsdp import auto_fsdp_choice, model_dims_of
+    from dynamic_cp.runtime.run_memory import offload_count, run_breakdown
 
     dims = model_dims_of(cfg, dict(model.config))
-    mode = cfg.parallel.fsdp
+    mode = "none" if cfg.parallel.mode == "none" or cfg.model.lora is not None else cfg.parallel.fsdp
     if mode == "auto":
-        mode = auto_fsdp_choice(cfg, world_size, replicated["gpu"], dims)[0]
-    two = {"experts": 2 if cfg.model.expert == "both" else 1, "idle_expert": cfg.model.idle_expert}
-    if (
-        cfg.model.lora is not None
-    ):  # a frozen bf16 base and replicated adapters, as auto_fsdp_choice prices it
-        m = memory_breakdown(
-            dims, "lora", world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
-            ema=cfg.train.ema_decay > 0, lora_rank=cfg.model.lora.rank, **two,
-        )  # fmt: skip
-    elif mode == "none":
-        return mode, replicated
-    else:
-        m = memory_breakdown(
-            dims, mode, world_size, cap_tokens_of(cfg), cfg.model.gradient_checkpointing,
-            shard_optimizer=cfg.parallel.shard_optimizer, ema=cfg.train.ema_decay > 0, **two,
-        )  # fmt: skip
+        mode = auto_fsdp_choice(cfg, world_size, gpu_bytes, dims)[0]
+    tokens = _tokens_of(cfg)
+    blocks = offload_count(cfg, world_size, dims, tokens, gpu_bytes)
+    m = run_breakdown(cfg, world_size, mode, dims, tokens, blocks)
     parts = {
         "weights": m.master_weights + m.compute_weights,
         "gradients": m.gradients,
@@ -138,8 +98,64 @@ def sharded_memory_estimate(
         "activations": m.activations,
         "idle expert": m.idle_expert,
         "host": m.host,
+        "offloaded": m.host_offload,
+        "offload blocks": blocks,
     }
-    return mode, {**parts, "total": m.total, "gpu": replicated["gpu"]}
+    return mode, {**parts, "total": m.total, "gpu": gpu_bytes}
+
+
+def echo_memory(cfg: Config, mode: str, mem: dict, echo: Callable[[str], None]) -> None:
+    """The memory estimate's lines: the parts, the experts and the offload, and whether it fits."""
+    keys = ["weights", "gradients", "optimizer", "ema", "activations"]
+    if cfg.model.expert == "both":
+        keys += ["idle expert"]
+    parts = ", ".join(f"{k} {_gb(mem.get(k, 0.0))}" for k in keys)
+    echo(
+        f"memory per GPU (estimate, parallel.fsdp={cfg.parallel.fsdp}"
+        f"{' -> ' + mode if cfg.parallel.fsdp == 'auto' else ''}): {_gb(mem['total'])} GB of "
+        f"{mem['gpu'] / GB:.0f} GB ({_memory_source(cfg)}): {parts} GB"
+    )
+    if cfg.model.expert == "both":
+        where = "on the GPU" if cfg.model.idle_expert == "sharded" else f"{_gb(mem['host'])} GB on the host"
+        echo(
+            f"  two experts (model.expert=both): the idle one at rest {where} (model.idle_expert={cfg.model.idle_expert})"
+        )
+    store = f"base_dtype={cfg.model.base_dtype}"
+    if cfg.model.offload != "none":
+        echo(
+            f"  model.offload={cfg.model.offload}: {mem['offload blocks']} blocks offloaded "
+            f"(offload_blocks={cfg.model.offload_blocks}), {_gb(mem['offloaded'])} GB of pinned host memory"
+        )
+        store += f" + offload {mem['offload blocks']}"
+    budget = mem["gpu"] * MEMORY_FRACTION
+    fit = "fits" if mem["total"] <= budget else "does not fit"
+    echo(
+        f"  {fit} in {MEMORY_FRACTION:.0%} of {mem['gpu'] / GB:.0f} GB (estimate) at {_tokens_of(cfg):,} tokens "
+        f"a rank with {store}"
+        + ("" if fit == "fits" else f"; it would run out of memory: {_what_is_missing(cfg)}")
+    )
+
+
+def _what_is_missing(cfg: Config) -> str:
+    """The memory knobs this config has not turned yet, in the order they cost speed."""
+    m = cfg.model
+    knobs = [] if m.gradient_checkpointing else ["model.gradient_checkpointing=true"]
+    if m.lora is not None and not m.base_dtype.startswith("fp8"):
+        knobs.append("model.base_dtype=fp8_scaled")
+    if m.lora is not None and m.offload != "blocks+activations":
+        knobs.append("model.offload=blocks" if m.offload == "none" else "model.offload=blocks+activations")
+    if m.lora is None:
+        knobs.append("parallel.fsdp=per_layer or more GPUs")
+    knobs.append("fewer tokens a rank (train.micro_batch_tokens / parallel.cap_tokens)")
+    return "try " + ", ".join(knobs)
+
+
+def _memory_source(cfg: Config) -> str:
+    return cfg.parallel.hardware if cfg.parallel.memory_gb is None else "parallel.memory_gb"
+
+
+def _tokens_of(cfg: Config) -> int:
+    return int(cap_tokens_of(cfg) if cfg.parallel.mode != "none" else cfg.train.micro_batch_tokens)
 
 
 def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = print) -> int:
@@ -217,34 +233,13 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
             "parallel.hardware=auto: priced with the h100 profile (the run measures its device, then learns)"
         )
     cost_model = build_cost_model(cfg, model.config, hardware)
-    mem = memory_estimate(cfg, model, cost_model, world_size)
-    mode = "none"
-    if cfg.parallel.mode != "none":
-        try:
-            mode, mem = sharded_memory_estimate(cfg, model, world_size, mem)
-        except ValueError as err:
-            mode = "no mode fits; replicated shown"
-            problems.append(f"parallel.fsdp: {err}")
-    keys = ["weights", "gradients", "optimizer", "ema", "activations"]
-    if cfg.model.expert == "both":
-        keys += ["idle expert"]
-    parts = ", ".join(f"{k} {_gb(mem.get(k, 0.0))}" for k in keys)
-    echo(
-        f"memory per GPU (estimate, parallel.fsdp={cfg.parallel.fsdp}"
-        f"{' -> ' + mode if cfg.parallel.fsdp == 'auto' else ''}): {_gb(mem['total'])} GB of "
-        f"{mem['gpu'] / GB:.0f} GB ({cfg.parallel.hardware}): {parts} GB"
-    )
-    if cfg.model.expert == "both":
-        where = (
-            "on the GPU"
-            if cfg.model.idle_expert == "sharded"
-            else f"{_gb(mem.get('host', 0.0))} GB on the host"
-        )
-        echo(
-            f"  two experts (model.expert=both): the idle one at rest {where} (model.idle_expert={cfg.model.idle_expert})"
-        )
-    if mem["total"] > mem["gpu"]:
-        echo("  does not fit: this run would run out of memory on this hardware profile")
+    try:
+        gpu = cost_model.hw.memory_bytes if cfg.parallel.memory_gb is None else cfg.parallel.memory_gb * GB
+        mode, mem = memory_estimate(cfg, model, world_size, gpu)
+        echo_memory(cfg, mode, mem, echo)
+    except ValueError as err:
+        mode = "none"
+        problems.append(f"parallel.fsdp: {err}")
 
     if cfg.parallel.mode != "none":
         if lengths is None:

@@ -19,8 +19,10 @@ import sys
 from data.cli import add_debug_flag, run_cli
 from dynamic_cp.planning.compare import METHODS, compare, format_rows
 from dynamic_cp.planning.compare_modes import MODE_METHODS, compare_modes, format_mode_rows
-from dynamic_cp.planning.cost_model import MODELS, CostModel, builtin_profiles
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.hardware import builtin_profiles
 from dynamic_cp.planning.memory import FSDP_MODES
+from dynamic_cp.planning.model_dims import MODELS
 from dynamic_cp.planning.simulator import gantt, simulate
 from dynamic_cp.planning.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
 

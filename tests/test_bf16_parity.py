@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
-from dynamic_cp.planning.cost_model import Hardware
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.testing import run_gloo
 from tests.test_runtime import CASES, CONFIG, PROFILE, overrides, perturb

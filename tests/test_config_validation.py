@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dit.config import Config, LoraSettings, TrainConfig, from_dict, load_config, to_dict
+from dit.config import Config, TrainConfig, from_dict, load_config, to_dict
+from dit.model_config import LoraSettings
 
 LORA = "model.lora={rank: 4}"
 

@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from dit.config import load_config
 from dynamic_cp.planning.cost_fit import Observation
-from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.cost_recovery import true_cluster
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.plan_types import Plan, plan_violations
 from dynamic_cp.planning.planner import plan as dynamic_plan
 from dynamic_cp.runtime.cost_learning import PROFILE_FILE, CostLearner

@@ -9,7 +9,8 @@ import pytest
 
 from dit.config import load_config
 from dit.setup import model_config_of
-from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.simulator import simulate
 from dynamic_cp.runtime.cost_learning import (

@@ -8,14 +8,10 @@ import numpy as np
 import pytest
 import yaml
 
-from dynamic_cp.planning.cost_model import (
-    MODELS,
-    CostModel,
-    Hardware,
-    ModelDims,
-    activation_bytes_per_token,
-    builtin_profiles,
-)
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.hardware import Hardware, builtin_profiles
+from dynamic_cp.planning.memory import activation_bytes_per_token
+from dynamic_cp.planning.model_dims import MODELS, ModelDims
 
 CM = CostModel.from_dims(d=1536, layers=30, ffn=8960, heads=12, text_tokens=512, hardware="h100")
 

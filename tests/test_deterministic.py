@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from dit.config import load_config
 from dit.setup import model_config_of
-from dynamic_cp.planning.cost_model import Hardware
+from dynamic_cp.planning.hardware import Hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -80,7 +80,9 @@ def _train(out: Path, max_steps: int = 4, resume: bool = False) -> None:
 
 def _final(out: Path) -> tuple[dict, list]:
     run = out / "run"
-    weights = load_file(str(run / "checkpoints" / "step_000004" / "model" / "diffusion_pytorch_model.safetensors"))
+    weights = load_file(
+        str(run / "checkpoints" / "step_000004" / "model" / "diffusion_pytorch_model.safetensors")
+    )
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     return weights, losses

@@ -13,9 +13,9 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
-from dit.config import ModelConfig
 from dit.fp8_base import E4M3 as FP8
 from dit.fp8_base import FP8Linear, dequantize, quantize, store_base_in_fp8
+from dit.model_config import ModelConfig
 
 
 class _Block(nn.Module):

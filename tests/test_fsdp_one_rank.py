@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from dit.config import ModelConfig, load_config
+from dit.config import load_config
+from dit.model_config import ModelConfig
 from dit.setup import build_model
 from dynamic_cp.runtime import fsdp
 

@@ -28,7 +28,8 @@ from safetensors import safe_open
 import sample
 from dit import lora
 from dit.attention import PackedAttention
-from dit.config import LoraSettings, load_config
+from dit.config import load_config
+from dit.model_config import LoraSettings
 from dit.packing import pack, unpack
 from dit.trainer import Trainer
 from dit.wan_import import import_wan_state_dict, load_pretrained

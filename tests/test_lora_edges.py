@@ -10,7 +10,7 @@ from test_lora_files import LAYER
 from test_lora_files import _base as base_model
 
 from dit import lora
-from dit.config import LoraSettings, ModelConfig
+from dit.model_config import LoraSettings, ModelConfig
 from dit.setup import build_model
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from dit import lora
-from dit.config import LoraSettings, ModelConfig
+from dit.model_config import LoraSettings, ModelConfig
 from dit.setup import build_model
 from dit.wan_import import PATCH_WEIGHT, ours_to_wan
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dit import lora
-from dit.config import LoraSettings, ModelConfig
+from dit.model_config import LoraSettings, ModelConfig
 from dit.setup import build_model
 
 LAYER = "blocks.0.attn1.to_q"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynamic_cp.planning.cost_model import MODELS, CostModel
+from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.memory import (
     FSDP_MODES,
     choose_fsdp_mode,
@@ -12,6 +12,7 @@ from dynamic_cp.planning.memory import (
     memory_breakdown,
     mode_token_cap,
 )
+from dynamic_cp.planning.model_dims import MODELS
 
 GB = 1e9
 P14 = MODELS["wan-14b"].num_params
@@ -96,7 +97,7 @@ def test_errors():
 
 def test_wan14b_config_fits_80gb_h100s():
     from dit.config import load_config
-    from dynamic_cp.planning.cost_model import Hardware
+    from dynamic_cp.planning.hardware import Hardware
 
     cfg = load_config("configs/wan-14b-finetune.yaml")
     hw = Hardware.load(cfg.parallel.hardware)

@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 
-from dynamic_cp.planning.cost_model import MODELS, ModelDims
 from dynamic_cp.planning.memory import (
     MemoryBreakdown,
     choose_fsdp_mode,
@@ -19,6 +18,7 @@ from dynamic_cp.planning.memory import (
     mode_token_cap,
     resolve_dims,
 )
+from dynamic_cp.planning.model_dims import MODELS, ModelDims
 
 DIMS = ModelDims(d=10, layers=3, ffn=20, heads=2, text_tokens=0)
 P = 3600.0

@@ -22,7 +22,7 @@ import pytest
 from dit.config import load_config
 from dit.setup import model_config_of
 from dynamic_cp.planning.compare_modes import compare_modes
-from dynamic_cp.planning.cost_model import Hardware
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.rounds import round_violations
 from dynamic_cp.runtime.step_plans import build_cost_model, make_plan_fn
 

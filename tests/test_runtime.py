@@ -33,7 +33,7 @@ from conftest import save_small_clip
 from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dit.trainer import Trainer
-from dynamic_cp.planning.cost_model import Hardware
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.runtime import distributed_trainer
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
 from dynamic_cp.runtime.launch import train_distributed

@@ -137,8 +137,8 @@ def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
 
 def test_lora_on_top_is_scaled_by_lora_scale(run_dir, tmp_path):
     from dit import lora
-    from dit.config import LoraSettings
     from dit.model import VideoDiT
+    from dit.model_config import LoraSettings
 
     (step,) = sorted((run_dir / "checkpoints").glob("step_*"))
     model = VideoDiT.from_pretrained(step / "model")

@@ -24,7 +24,9 @@ from data.hashed_text import HashedTextEncoder
 from dit.model import VideoDiT
 from dit.sample_requests import SampleRequest
 from dit.sampling import sample_request
-from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.hardware import Hardware
+from dynamic_cp.planning.model_dims import ModelDims
 from dynamic_cp.planning.sampling_planner import Placement, SamplingPlan
 from dynamic_cp.runtime.testing import run_gloo
 
@@ -68,8 +70,8 @@ def make_model(lora: bool) -> VideoDiT:
         freq_dim=16, ffn_dim=48, num_layers=2, adaln_zero_init=False,
     ).eval()  # fmt: skip
     if lora:
-        from dit.config import LoraSettings
         from dit.lora import add_lora, peft_config
+        from dit.model_config import LoraSettings
 
         add_lora(model, peft_config(LoraSettings(rank=2, target_modules=["to_q", "to_v", "ffn.net.2"])))
         with torch.no_grad():  # peft starts B at zero: give the adapter an effect to get wrong

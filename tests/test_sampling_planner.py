@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from dynamic_cp.planning.cost_model import CostModel, ModelDims
-from dynamic_cp.planning.sampling_planner import SamplingJob, plan_sampling, sampling_token_cap
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.memory import sampling_token_cap
+from dynamic_cp.planning.model_dims import ModelDims
+from dynamic_cp.planning.sampling_planner import SamplingJob, plan_sampling
 
 WAN14 = CostModel.from_name("wan-14b", "h100").forward()
 CAP = sampling_token_cap(WAN14.dims, WAN14.hw.memory_bytes)
@@ -119,7 +121,7 @@ def test_sharded_weights_are_priced_per_rank():
     # Wan-14B on 32 GB GPUs: replicated bf16 weights (28 GB) leave 0.8 GB of 90% of 32 GB, sharded over
     # 8 they cost 28/8 + two gathered blocks of 28/40 = 4.9 GB. Planted: pricing sharded weights as
     # replicated (shards ignored) fails the first assertion.
-    from dynamic_cp.planning.sampling_planner import weight_bytes
+    from dynamic_cp.planning.memory import weight_bytes
 
     p = 2 * WAN14.dims.num_params
     assert weight_bytes(WAN14.dims, 8) == pytest.approx(p / 8 + 2 * p / WAN14.dims.layers)
@@ -405,7 +407,7 @@ def test_token_cap_by_hand():
     sharded over 2, half of them plus two gathered blocks. Planted: any of the working set's terms
     changed, the boundary of the 'does not fit' check, the default shards, sharding from 3 ranks on,
     the sharded error's advice -> each fails."""
-    from dynamic_cp.planning.sampling_planner import weight_bytes
+    from dynamic_cp.planning.memory import weight_bytes
 
     dims = ModelDims(d=64, layers=8, ffn=256, heads=4)
     weights = 2 * dims.num_params

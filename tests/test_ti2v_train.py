@@ -219,7 +219,7 @@ def test_wan21_checkpoint_under_the_ti2v_size_is_refused(tmp_path):
     one line naming the fix (planted: the check removed -> the model loads with per-token timesteps)."""
     from diffusers import WanTransformer3DModel
 
-    from dit.config import ModelConfig
+    from dit.model_config import ModelConfig
     from dit.setup import build_model
 
     small = {k: v for k, v in TINY.items() if k not in ("adaln_zero_init", "expand_timesteps")}

@@ -173,7 +173,7 @@ def test_trainer_step_reduces_loss_on_a_fixed_batch(tmp_path):
 
 
 def test_pretrained_model_refuses_overrides():
-    from dit.config import ModelConfig
+    from dit.model_config import ModelConfig
     from dit.setup import build_model
 
     with pytest.raises(ValueError, match="cannot change a pretrained model"):

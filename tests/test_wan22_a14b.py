@@ -92,7 +92,7 @@ def save_two_experts(root, ratio: float = 0.875):
 
 
 def test_an_expert_loads_from_the_pipeline_folder(tmp_path):
-    from dit.config import ModelConfig
+    from dit.model_config import ModelConfig
     from dit.setup import build_model, expert_of
 
     root = save_two_experts(tmp_path / "a14b")

@@ -88,8 +88,7 @@ def test_the_memory_check_prices_both_resident_experts():
     import pytest
 
     from dit.model import cast_weights
-    from dynamic_cp.planning.cost_model import BYTES_BF16
-    from dynamic_cp.planning.sampling_planner import sampling_token_cap
+    from dynamic_cp.planning.memory import BYTES_BF16, sampling_token_cap
     from dynamic_cp.runtime.sampling import check_memory
 
     model = cast_weights(pair(), torch.bfloat16, keep_fp32=False)

@@ -213,7 +213,7 @@ def _diffusers_i2v_with_lora(wan, folder) -> set[str]:
 
 def _random_lora(model, targets, seed=3):
     from dit import lora
-    from dit.config import LoraSettings
+    from dit.model_config import LoraSettings
 
     lora.add_lora(model, lora.peft_config(LoraSettings(rank=2, alpha=4, target_modules=targets)))
     gen = torch.Generator().manual_seed(seed)
@@ -270,7 +270,7 @@ def test_i2v_config_dry_run_prints_parameters_and_memory(capsys):
 
 
 def test_t2v_checkpoint_under_i2v_config_is_refused(tmp_path):
-    from dit.config import ModelConfig
+    from dit.model_config import ModelConfig
     from dit.setup import build_model
 
     t2v = {k: v for k, v in SMALL.items() if k not in ("image_dim", "added_kv_proj_dim")}

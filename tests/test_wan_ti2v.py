@@ -149,7 +149,7 @@ def test_lora_loads_into_diffusers_without_missing_keys(tmp_path):
     from peft.utils import get_peft_model_state_dict
 
     from dit import lora
-    from dit.config import LoraSettings
+    from dit.model_config import LoraSettings
 
     wan = make_wan()
     source = import_wan_state_dict(

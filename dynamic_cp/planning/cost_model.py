@@ -26,185 +26,25 @@ and attention FLOPs at their forward counts (factors 1), 4 Ulysses all-to-alls p
 8, one ring pass of K/V instead of three, and a third of the fwd+bwd overheads (forward is about a
 third of a training step's work).
 
-Memory: model states (bf16 weights + fp32 master and Adam, optionally sharded over the data-parallel
-world as with FSDP/ZeRO) plus activations per token; ``token_cap`` is what fits per rank.
+Memory lives in ``memory.py``; ``token_cap`` and ``activation_bytes_per_token`` ask it. The hardware
+profiles are ``hardware.py``, the model shapes ``model_dims.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields, replace
-from importlib import resources
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
-import yaml
 
 from dit.flops import attention_flops, linear_flops_per_token, patch_flops_per_token, text_kv_flops
-from dit.sizes import MODEL_SIZES
+from dynamic_cp.planning import memory
+from dynamic_cp.planning.hardware import Hardware
+from dynamic_cp.planning.memory import BYTES_BF16
+from dynamic_cp.planning.model_dims import MODELS, ModelDims
 
 # Training multipliers (forward + backward over forward), see DESIGN.md "Costs".
 LINEAR_TRAIN = 3.0
 ATTN_TRAIN = 3.5
-BYTES_BF16 = 2
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU type and its interconnect; loaded from dynamic_cp/planning/profiles/<name>.yaml or any path."""
-
-    name: str
-    peak_flops: float  # dense bf16 FLOP/s
-    gemm_efficiency: float  # best fraction of peak for large GEMMs
-    gemm_half_tokens: float  # per-rank tokens where GEMM efficiency is half its best
-    attention_efficiency: float  # best fraction of peak for long-sequence attention
-    attention_half_tokens: float  # per-rank query tokens where attention efficiency is half its best
-    intra_node_bandwidth: float  # all-to-all bytes/s per rank inside a node
-    inter_node_bandwidth: float  # all-to-all bytes/s per rank when a group spans nodes
-    intra_node_latency_s: float  # per collective call
-    inter_node_latency_s: float
-    gpus_per_node: int
-    micro_batch_overhead_s: float  # fixed cost per micro-batch, fwd+bwd
-    memory_bytes: float  # HBM per GPU
-    # per clip in a micro-batch, fwd+bwd: calls that scale with the clip count (flash-attn varlen runs
-    # all clips in one kernel, so 0 on GPU; CPU SDPA runs one call per clip). Optional in profiles.
-    clip_overhead_s: float = 0.0
-    # sampling only: seconds the rank that writes a clip spends in the VAE decode, per output pixel of
-    # each frame (the decoder's convolutions run over the output volume). It runs on that one rank
-    # while the rest of its group moves on (runtime/sampling.py), so a large group waits for it when
-    # the next request needs all of it. Optional in profiles (0: decode not priced).
-    vae_decode_s_per_pixel: float = 0.0
-
-    def __post_init__(self):
-        for f in fields(self):
-            if f.name == "name":
-                continue
-            v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"hardware profile field {f.name}={v!r} must be a non-negative number")
-        if not 0 < self.gemm_efficiency <= 1 or not 0 < self.attention_efficiency <= 1:
-            raise ValueError("gemm_efficiency and attention_efficiency must be in (0, 1]")
-        if self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node={self.gpus_per_node} must be at least 1")
-
-    @classmethod
-    def load(cls, name_or_path: str) -> Hardware:
-        """A built-in profile name (h100, h200, a100) or a path to a YAML file with the same keys."""
-        path = Path(name_or_path)
-        if path.suffix in (".yaml", ".yml") or path.exists():
-            text = path.read_text()
-        else:
-            res = resources.files("dynamic_cp.planning") / "profiles" / f"{name_or_path}.yaml"
-            if not res.is_file():
-                raise ValueError(
-                    f"unknown hardware profile {name_or_path!r}; use one of {builtin_profiles()} "
-                    "or a path to a .yaml profile (see `python -m dynamic_cp.calibrate`)"
-                )
-            text = res.read_text()
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark else ""
-            raise ValueError(f"hardware profile {name_or_path!r} is not valid YAML{at}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"hardware profile {name_or_path!r} must be a mapping of Hardware fields")
-        names = {f.name for f in fields(cls)}
-        optional = {f.name for f in fields(cls) if f.default is not MISSING}
-        missing = names - set(raw) - optional
-        if missing:
-            raise ValueError(f"hardware profile {name_or_path!r} lacks keys {sorted(missing)}")
-        # PyYAML reads 989.0e12 (no exponent sign) as a string, hence the float().
-        kw = {k: (raw[k] if k == "name" else float(raw[k])) for k in names if k in raw}
-        kw["gpus_per_node"] = int(kw["gpus_per_node"])
-        return cls(**kw)
-
-    def to_yaml(self) -> str:
-        plain = {
-            k: v if isinstance(v, str) else (int(v) if k == "gpus_per_node" else float(v))
-            for k, v in asdict(self).items()
-        }
-        return yaml.safe_dump(plain, sort_keys=False)
-
-
-def builtin_profiles() -> list[str]:
-    folder = resources.files("dynamic_cp.planning") / "profiles"
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Transformer shape the cost model needs."""
-
-    d: int  # hidden size
-    layers: int
-    ffn: int  # FFN inner width
-    heads: int
-    text_tokens: int = 512  # cross-attention text context length
-    image_tokens: int = 0  # image tokens per clip of an image-conditioned model (Wan I2V: 257, FLF2V: 514)
-    # values per token into the patch embedding plus out of the output projection, pt*ph*pw*(in + out
-    # channels): Wan2.1 T2V 4*(16+16) = 128, I2V 4*(36+16) = 208, Wan2.2 TI2V-5B 4*(48+48) = 384
-    patch_values: int = 0
-
-    def __post_init__(self):
-        for f in fields(self):
-            may_be_zero = f.name in ("text_tokens", "image_tokens", "patch_values")
-            if int(getattr(self, f.name)) < 0 or (not may_be_zero and getattr(self, f.name) < 1):
-                raise ValueError(f"model dimension {f.name}={getattr(self, f.name)} must be positive")
-
-    @property
-    def context_tokens(self) -> int:
-        """Cross-attention keys per clip: text, then image (separate K/V, same cost per token)."""
-        return self.text_tokens + self.image_tokens
-
-    @property
-    def num_params(self) -> int:
-        # self-attn 4d^2 + cross-attn 4d^2 (+ image K/V 2d^2) + FFN 2df per block, plus the patch
-        # embedding and output projection; text and time embeddings are left out (~2%).
-        cross = 6 if self.image_tokens else 4
-        blocks = self.layers * ((4 + cross) * self.d * self.d + 2 * self.d * self.ffn)
-        return blocks + self.patch_values * self.d
-
-    @classmethod
-    def from_config(cls, config, text_tokens: int = 512) -> ModelDims:
-        """Dims of a VideoDiT (or diffusers Wan) config: a mapping with ``num_attention_heads``,
-        ``attention_head_dim``, ``num_layers`` and ``ffn_dim``, as in ``dit.sizes.MODEL_SIZES``; with
-        ``image_dim`` set, the image tokens (``pos_embed_seq_len``, else one CLIP image's 257)."""
-        heads = config["num_attention_heads"]
-        patch = config.get("patch_size") or (1, 2, 2)
-        in_channels = config.get("in_channels") or 16
-        per_channel = patch[0] * patch[1] * patch[2]
-        patch_values = per_channel * (in_channels + (config.get("out_channels") or in_channels))
-        image_tokens = 0
-        if config.get("image_dim") is not None:
-            image_tokens = config.get("pos_embed_seq_len") or CLIP_IMAGE_TOKENS
-        return cls(
-            d=heads * config["attention_head_dim"],
-            layers=config["num_layers"],
-            ffn=config["ffn_dim"],
-            heads=heads,
-            text_tokens=text_tokens,
-            image_tokens=image_tokens,
-            patch_values=patch_values,
-        )
-
-
-CLIP_IMAGE_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + the class token (Wan2.1 I2V)
-
-# Name -> dims registry, like DiT's size table. Wan2.1 sizes from its config files; Wan pads
-# captions to 512 umT5 tokens.
-MODELS: dict[str, ModelDims] = {
-    name: ModelDims.from_config(MODEL_SIZES[name], text_tokens=512)
-    for name in ("wan-1.3b", "wan-14b", "wan-i2v-14b", "wan-flf2v-14b", "wan2.2-ti2v-5b")
-}
-
-
-def activation_bytes_per_token(dims: ModelDims, activation_checkpointing: bool = False) -> float:
-    """``CostModel.activation_bytes_per_token`` for bare dims (the memory model needs no hardware)."""
-    d, f, layers = dims.d, dims.ffn, dims.layers
-    block = (16 * d + 2 * f) * BYTES_BF16
-    if activation_checkpointing:
-        return layers * d * BYTES_BF16 + block
-    return layers * block
 
 
 class CostModel:
@@ -499,13 +339,8 @@ class CostModel:
 
     # ---------------------------------------------------------------- memory
     def activation_bytes_per_token(self, activation_checkpointing: bool = False) -> float:
-        """Bytes of saved activations per token for the whole network (bf16).
-
-        A DiT block keeps about 16 d + 2 f values per token (norms, q/k/v, attention output,
-        cross-attention, FFN input and hidden before/after the activation, modulations). With full
-        checkpointing only each block's input survives, plus one block being recomputed.
-        """
-        return activation_bytes_per_token(self.dims, activation_checkpointing)
+        """Bytes of saved activations per token for the whole network (``memory.activation_bytes_per_token``)."""
+        return memory.activation_bytes_per_token(self.dims, activation_checkpointing)
 
     def token_cap(
         self,
@@ -513,23 +348,7 @@ class CostModel:
         activation_checkpointing: bool = False,
         memory_fraction: float = 0.9,
     ) -> int:
-        """Most tokens one rank can hold in a micro-batch.
-
-        Model states take 2 bytes/param (bf16 weights) plus 14 bytes/param (fp32 master, Adam moments,
-        grads) sharded over ``shard_world`` ranks (FSDP/ZeRO); ``memory_fraction`` leaves room for the
-        allocator, NCCL buffers and workspace.
-        """
-        if not 0 < memory_fraction <= 1:
-            raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
-        if shard_world < 1:
-            raise ValueError(f"shard_world={shard_world} must be at least 1")
-        p = self.dims.num_params
-        states = 2 * p + 14 * p / shard_world
-        free = self.hw.memory_bytes * memory_fraction - states
-        cap = int(free // self.activation_bytes_per_token(activation_checkpointing))
-        if cap < 1:
-            raise ValueError(
-                f"model states ({states / 1e9:.1f} GB) do not fit in {self.hw.memory_bytes / 1e9:.0f} GB; "
-                "shard them over more ranks (shard_world) or use a larger GPU profile"
-            )
-        return cap
+        """Most tokens one rank can hold in a micro-batch on this hardware (``memory.planning_token_cap``)."""
+        return memory.planning_token_cap(
+            self.dims, self.hw.memory_bytes, shard_world, activation_checkpointing, memory_fraction
+        )

@@ -13,7 +13,7 @@ and bf16 compute, as torchtitan trains (DESIGN.md "Memory at 14B"):
 
     * ``shard_optimizer`` (ZeRO-1, the runtime's default) shards the moments under ``none``; 8P otherwise.
 
-Activations come on top: ``activation_bytes_per_token`` (cost_model.py) per token a rank holds. Only
+Activations come on top: ``activation_bytes_per_token`` per token a rank holds. Only
 ``memory_fraction`` of HBM is planned for (allocator, NCCL buffers, workspace), as ``token_cap`` does.
 An fp32 EMA adds 4P (none) or 4P/W (sharded: EMA works on shards).
 
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynamic_cp.planning.cost_model import MODELS, ModelDims, activation_bytes_per_token
+from dynamic_cp.planning.model_dims import MODELS, ModelDims
 
+BYTES_BF16 = 2
 FSDP_MODES = ("none", "per_step", "per_layer")
 MEMORY_MODES = FSDP_MODES + ("lora",)
 
@@ -48,6 +49,8 @@ class MemoryBreakdown:
     tokens: float = 0.0
     idle_expert: float = 0.0  # two experts: the idle one's states at rest on the GPU
     host: float = 0.0  # two experts with idle_expert='cpu': its states in host memory (not in total)
+    offloaded: float = 0.0  # model.offload: the offloaded blocks' frozen base in pinned host memory
+    host_activations_per_token: float = 0.0  # blocks+activations: checkpointed inputs on the host
 
     @property
     def states(self) -> float:
@@ -63,10 +66,17 @@ class MemoryBreakdown:
     def total(self) -> float:
         return self.states + self.activations
 
+    @property
+    def host_offload(self) -> float:
+        """Pinned host bytes of ``model.offload``: the blocks' base, and the checkpointed inputs."""
+        return self.offloaded + self.host_activations_per_token * self.tokens
+
     def rows(self) -> list[tuple[str, float]]:
         """(part, bytes) rows; the idle expert's only for two experts (model.expert=both)."""
         idle = [("idle expert at rest", self.idle_expert)] if self.idle_expert else []
         host = [("host: idle expert offloaded", self.host)] if self.host else []
+        if self.offloaded or self.host_activations_per_token:
+            host.append(("host: offloaded blocks and inputs", self.host_offload))
         return [
             ("master weights (fp32)", self.master_weights),
             ("gradients", self.gradients),
@@ -88,6 +98,20 @@ def resolve_dims(model: str | ModelDims) -> ModelDims:
     return MODELS[model]
 
 
+def activation_bytes_per_token(dims: ModelDims, activation_checkpointing: bool = False) -> float:
+    """Bytes of saved activations per token for the whole network (bf16).
+
+    A DiT block keeps about 16 d + 2 f values per token (norms, q/k/v, attention output,
+    cross-attention, FFN input and hidden before/after the activation, modulations). With full
+    checkpointing only each block's input survives, plus one block being recomputed.
+    """
+    d, f, layers = dims.d, dims.ffn, dims.layers
+    block = (16 * d + 2 * f) * BYTES_BF16
+    if activation_checkpointing:
+        return layers * d * BYTES_BF16 + block
+    return layers * block
+
+
 def lora_params(dims: ModelDims, rank: int) -> int:
     """Adapter parameters for rank-``rank`` LoRA on every attention projection (self and cross:
     q, k, v, o, each d x d, so 8 adapters of d*r + r*d per block), PEFT's usual video-DiT target."""
@@ -106,12 +130,22 @@ def memory_breakdown(
     lora_rank: int = 16,
     experts: int = 1,
     idle_expert: str = "sharded",
+    *,
+    moment_bytes: int = 8,
+    base_bytes: int = 2,
+    offload_blocks: int = 0,
+    offload_activations: bool = False,
 ) -> MemoryBreakdown:
     """Bytes per GPU of ``mode`` (see the module docstring) with ``tokens`` tokens of activations.
 
     ``grad_accum_bytes``: per_step's unsharded gradient accumulator, 4 (fp32 reduce_dtype, what FSDP2
     does) or 2 (bf16 reduction). ``lora_rank`` applies to mode 'lora' only. ``experts`` 2: Wan2.2
     A14B's two experts of ``model`` each, the idle one kept as ``idle_expert`` ('sharded' or 'cpu').
+    ``moment_bytes``: AdamW's two moments per trained parameter, 8 (fp32) or 2 (adamw_8bit).
+    Mode 'lora' only (``model.base_dtype``, ``model.offload``): ``base_bytes`` a frozen base weight
+    (4 fp32, 2 bf16, 1 fp8); ``offload_blocks`` of the blocks' bases in host memory, of which two
+    (the running one and the prefetched one) are on the GPU at a time; ``offload_activations``: the
+    checkpointed block inputs on the host too, the GPU keeping one block's recompute working set.
     """
     from dataclasses import replace
 
@@ -120,14 +154,18 @@ def memory_breakdown(
     if idle_expert not in ("sharded", "cpu"):
         raise ValueError(f"idle_expert={idle_expert!r}; use 'sharded' or 'cpu'")
     one = _one_model(model, mode, world_size, tokens, activation_checkpointing, grad_accum_bytes,
-                     shard_optimizer, ema, lora_rank)  # fmt: skip
+                     shard_optimizer, ema, lora_rank, moment_bytes)  # fmt: skip
+    if mode == "lora":
+        one = _lora_placement(one, resolve_dims(model), base_bytes, offload_blocks, offload_activations)
+    elif (base_bytes, offload_blocks, offload_activations) != (2, 0, False):
+        raise ValueError(f"base_bytes and offload price a LoRA's frozen base: mode 'lora', not {mode!r}")
     if experts == 1:
         return one
     dims = resolve_dims(model)
     P, W = float(dims.num_params), world_size
     if mode == "lora":
         A = float(lora_params(dims, lora_rank))
-        rest = 2 * P + 16 * A + (4 * A if ema else 0.0)
+        rest = base_bytes * P + 16 * A + (4 * A if ema else 0.0)
     elif mode == "none":
         rest = 4 * P + 4 * P + (8 * P / W if shard_optimizer else 8 * P) + (4 * P if ema else 0.0)
     else:
@@ -147,6 +185,7 @@ def _one_model(
     shard_optimizer,
     ema,
     lora_rank,
+    moment_bytes,
 ) -> MemoryBreakdown:
     dims = resolve_dims(model)
     if mode not in MEMORY_MODES:
@@ -157,27 +196,76 @@ def _one_model(
         raise ValueError(f"grad_accum_bytes={grad_accum_bytes}; use 4 (fp32) or 2 (bf16)")
     if tokens < 0:
         raise ValueError(f"tokens={tokens} must be non-negative")
+    if moment_bytes not in (2, 8):
+        raise ValueError(f"moment_bytes={moment_bytes}; use 8 (fp32 AdamW) or 2 (adamw_8bit)")
     P, W, L = float(dims.num_params), world_size, dims.layers
     act = activation_bytes_per_token(dims, activation_checkpointing)
     if mode == "none":
-        moments = 8 * P / W if shard_optimizer else 8 * P
+        moments = moment_bytes * P / (W if shard_optimizer else 1)
         return MemoryBreakdown(mode, 4 * P, 4 * P, moments, 2 * P, 4 * P if ema else 0.0, act, tokens)
     if mode == "per_step":
         grads = 4 * P / W + grad_accum_bytes * P
         return MemoryBreakdown(
-            mode, 4 * P / W, grads, 8 * P / W, 2 * P, 4 * P / W if ema else 0.0, act, tokens
+            mode, 4 * P / W, grads, moment_bytes * P / W, 2 * P, 4 * P / W if ema else 0.0, act, tokens
         )
     if mode == "per_layer":
         grads = 4 * P / W + (2 + 4) * P / L
         gathered = 2 * 2 * P / L
         return MemoryBreakdown(
-            mode, 4 * P / W, grads, 8 * P / W, gathered, 4 * P / W if ema else 0.0, act, tokens
+            mode, 4 * P / W, grads, moment_bytes * P / W, gathered, 4 * P / W if ema else 0.0, act, tokens
         )
     if lora_rank < 1:
         raise ValueError(f"lora_rank={lora_rank} must be at least 1")
     A = float(lora_params(dims, lora_rank))
     # frozen base in bf16 (no master, grads or moments); adapters train like a small full model
-    return MemoryBreakdown(mode, 4 * A, 4 * A, 8 * A, 2 * P + 2 * A, 4 * A if ema else 0.0, act, tokens)
+    return MemoryBreakdown(
+        mode, 4 * A, 4 * A, moment_bytes * A, 2 * P + 2 * A, 4 * A if ema else 0.0, act, tokens
+    )
+
+
+def _lora_placement(
+    one: MemoryBreakdown, dims: ModelDims, base_bytes: int, offload_blocks: int, offload_activations: bool
+) -> MemoryBreakdown:
+    """Mode 'lora' with its base at ``base_bytes`` a weight and ``offload_blocks`` blocks on the host.
+
+    A block's base is its share of the block parameters (num_params less the patch embedding and
+    head, over the layers); the GPU holds the blocks that stay plus two offloaded ones in flight."""
+    from dataclasses import replace
+
+    if base_bytes not in (1, 2, 4):
+        raise ValueError(f"base_bytes={base_bytes}; use 1 (fp8), 2 (bf16) or 4 (fp32)")
+    L = dims.layers
+    if not 0 <= offload_blocks <= L:
+        raise ValueError(f"offload_blocks={offload_blocks}: the model has {L} blocks; use 0 to {L}")
+    per_block = (dims.num_params - dims.patch_values * dims.d) / L
+    on_gpu_blocks = L - offload_blocks + min(offload_blocks, 2)
+    adapters_bf16 = one.compute_weights - 2 * dims.num_params  # the adapters' bf16 copies, 2A
+    base_gpu = base_bytes * (dims.num_params - per_block * (L - on_gpu_blocks))
+    act, host_act = one.activations_per_token, 0.0
+    if offload_activations:
+        block = (16 * dims.d + 2 * dims.ffn) * BYTES_BF16  # the recompute's working set stays
+        host_act, act = act - block, block
+    return replace(
+        one,
+        compute_weights=base_gpu + adapters_bf16,
+        offloaded=base_bytes * per_block * offload_blocks,
+        activations_per_token=act,
+        host_activations_per_token=host_act,
+    )
+
+
+def fewest_offload_blocks(memory_bytes: float, memory_fraction: float, breakdown_for) -> int | None:
+    """``model.offload_blocks: auto``: the fewest blocks to offload for the run to fit, or None when
+    even all of them are not enough. ``breakdown_for(n)`` is the run's ``MemoryBreakdown`` with n."""
+    n = 0
+    while True:
+        try:
+            mem = breakdown_for(n)
+        except ValueError:  # past the block count
+            return None
+        if mem.total <= memory_bytes * memory_fraction:
+            return n
+        n += 1
 
 
 def mode_token_cap(breakdown: MemoryBreakdown, memory_bytes: float, memory_fraction: float = 0.9) -> int:
@@ -241,3 +329,71 @@ def choose_fsdp_mode(
         f"{memory_bytes / 1e9:.0f} GB on {world_size} ranks ({'; '.join(tried)}); lower "
         "train.micro_batch_tokens / parallel.cap_tokens, turn on model.gradient_checkpointing, or use more GPUs"
     )
+
+
+def planning_token_cap(
+    dims: ModelDims,
+    memory_bytes: float,
+    shard_world: int = 1,
+    activation_checkpointing: bool = False,
+    memory_fraction: float = 0.9,
+) -> int:
+    """The planners' and the simulator's default cap: most tokens one rank holds in a micro-batch.
+
+    It prices ZeRO-3 at its leanest, the setting the scheduler comparisons hold fixed: bf16 weights
+    whole (2P) plus 14 bytes a parameter (fp32 master 4, Adam 8, bf16 gradients 2) sharded over
+    ``shard_world`` ranks. A training run caps by its own mode instead (``mode_token_cap``).
+    """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
+    if shard_world < 1:
+        raise ValueError(f"shard_world={shard_world} must be at least 1")
+    p = dims.num_params
+    states = 2 * p + 14 * p / shard_world
+    free = memory_bytes * memory_fraction - states
+    cap = int(free // activation_bytes_per_token(dims, activation_checkpointing))
+    if cap < 1:
+        raise ValueError(
+            f"model states ({states / 1e9:.1f} GB) do not fit in {memory_bytes / 1e9:.0f} GB; "
+            "shard them over more ranks (shard_world) or use a larger GPU profile"
+        )
+    return cap
+
+
+# ---------------------------------------------------------------- sampling: forward passes only
+def weight_bytes(dims: ModelDims, shards: int = 1, value_bytes: int = BYTES_BF16) -> float:
+    """DiT weights one rank holds while sampling, ``value_bytes`` a parameter (2: bf16, 4: fp32): all of
+    them replicated (``shards`` 1), else its 1/``shards`` of them plus two gathered blocks (the one
+    running and the one FSDP prefetches), never more than all of them (a model of one or two blocks)."""
+    total = value_bytes * dims.num_params
+    if shards <= 1:
+        return total
+    return min(total, total / shards + 2 * total / dims.layers)
+
+
+def sampling_token_cap(
+    dims: ModelDims,
+    memory_bytes: float,
+    memory_fraction: float = 0.9,
+    shards: int = 1,
+    value_bytes: int = BYTES_BF16,
+    resident_bytes: float = 0.0,
+) -> int:
+    """Tokens one rank can hold in a sampling forward: the weights (``weight_bytes``: replicated, or
+    FSDP-sharded over ``shards`` ranks), ``resident_bytes`` of other models every rank keeps (the text
+    encoder, the VAE), and the working set of one block per token (nothing is kept for a backward), in
+    the compute dtype of ``value_bytes`` (2: bf16, 4: fp32)."""
+    weights = weight_bytes(dims, shards, value_bytes)
+    free = memory_bytes * memory_fraction - weights - resident_bytes
+    per_token = (16 * dims.d + 2 * dims.ffn) * value_bytes
+    if free < per_token:
+        how = "shard them with --fsdp per_layer, or use" if shards <= 1 else "sample on more ranks or"
+        dtype = {2: "bf16", 4: "fp32"}.get(value_bytes, f"{value_bytes}-byte")
+        beside = f" next to {resident_bytes / 1e9:.1f} GB of text encoder and VAE" if resident_bytes else ""
+        raise ValueError(
+            f"the model's {dtype} weights ({weights / 1e9:.1f} GB a rank"
+            f"{'' if shards <= 1 else f', sharded over {shards}'}){beside} do not fit in "
+            f"{memory_bytes / 1e9:.0f} GB per rank; {how} larger GPUs"
+            + (" (or --precision bf16)" if value_bytes > BYTES_BF16 else "")
+        )
+    return int(free // per_token)

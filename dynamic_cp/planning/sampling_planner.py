@@ -48,9 +48,10 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from dynamic_cp.planning.cost_model import BYTES_BF16, CostModel, ModelDims
+from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.fsdp_cost import WeightTraffic
 from dynamic_cp.planning.groups_layout import blocks_of_size, normalize_cp_sizes
+from dynamic_cp.planning.memory import BYTES_BF16
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.rounds import lockstep_rounds
 
@@ -138,44 +139,6 @@ class SamplingPlan:
     def latencies(self) -> list[float]:
         """Predicted seconds from the start of the queue to each request's clip, by job index."""
         return [p.done for p in sorted(self.placements, key=lambda p: p.job)]
-
-
-def weight_bytes(dims: ModelDims, shards: int = 1, value_bytes: int = BYTES_BF16) -> float:
-    """DiT weights one rank holds while sampling, ``value_bytes`` a parameter (2: bf16, 4: fp32): all of
-    them replicated (``shards`` 1), else its 1/``shards`` of them plus two gathered blocks (the one
-    running and the one FSDP prefetches), never more than all of them (a model of one or two blocks)."""
-    total = value_bytes * dims.num_params
-    if shards <= 1:
-        return total
-    return min(total, total / shards + 2 * total / dims.layers)
-
-
-def sampling_token_cap(
-    dims: ModelDims,
-    memory_bytes: float,
-    memory_fraction: float = 0.9,
-    shards: int = 1,
-    value_bytes: int = BYTES_BF16,
-    resident_bytes: float = 0.0,
-) -> int:
-    """Tokens one rank can hold in a sampling forward: the weights (``weight_bytes``: replicated, or
-    FSDP-sharded over ``shards`` ranks), ``resident_bytes`` of other models every rank keeps (the text
-    encoder, the VAE), and the working set of one block per token (nothing is kept for a backward), in
-    the compute dtype of ``value_bytes`` (2: bf16, 4: fp32)."""
-    weights = weight_bytes(dims, shards, value_bytes)
-    free = memory_bytes * memory_fraction - weights - resident_bytes
-    per_token = (16 * dims.d + 2 * dims.ffn) * value_bytes
-    if free < per_token:
-        how = "shard them with --fsdp per_layer, or use" if shards <= 1 else "sample on more ranks or"
-        dtype = {2: "bf16", 4: "fp32"}.get(value_bytes, f"{value_bytes}-byte")
-        beside = f" next to {resident_bytes / 1e9:.1f} GB of text encoder and VAE" if resident_bytes else ""
-        raise ValueError(
-            f"the model's {dtype} weights ({weights / 1e9:.1f} GB a rank"
-            f"{'' if shards <= 1 else f', sharded over {shards}'}){beside} do not fit in "
-            f"{memory_bytes / 1e9:.0f} GB per rank; {how} larger GPUs"
-            + (" (or --precision bf16)" if value_bytes > BYTES_BF16 else "")
-        )
-    return int(free // per_token)
 
 
 def _branch_lengths(job: SamplingJob, cfg_parallel: bool) -> list[int]:

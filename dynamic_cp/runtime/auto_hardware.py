@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dynamic_cp import calibrate
-from dynamic_cp.planning.cost_model import Hardware, ModelDims, builtin_profiles
+from dynamic_cp.planning.hardware import Hardware, builtin_profiles
+from dynamic_cp.planning.model_dims import ModelDims
 
 
 def cuda_profile(device: torch.device) -> Hardware:

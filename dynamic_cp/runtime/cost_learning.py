@@ -41,9 +41,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dynamic_cp.planning.cost_fit import Observation
-from dynamic_cp.planning.cost_model import CostModel, Hardware
+from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.fsdp_cost import simulate_mode
 from dynamic_cp.planning.groups_layout import block_around
+from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.rounds import lockstep_rounds
 from dynamic_cp.planning.simulator import simulate, spans_nodes

@@ -70,7 +70,7 @@ def model_dims_of(cfg, model_config: dict | None = None):
     """The memory model's ``ModelDims`` of the configured VideoDiT, or of ``model_config`` (a
     VideoDiT config); no weights are read."""
     from dit.setup import model_config_of
-    from dynamic_cp.planning.cost_model import ModelDims
+    from dynamic_cp.planning.model_dims import ModelDims
 
     return ModelDims.from_config(model_config_of(cfg.model) if model_config is None else model_config)
 
@@ -81,18 +81,18 @@ def auto_fsdp_choice(cfg, world_size: int, memory_bytes: float, dims=None) -> tu
     fit 90% of ``memory_bytes``, from the memory model ``dynamic_cp.planning.memory``. A LoRA run
     keeps a replicated frozen base ('none'). ValueError, naming the knobs, when nothing fits.
     ``dims``: the model's ``ModelDims`` when known (default: read from the config)."""
-    from dynamic_cp.planning.memory import choose_fsdp_mode, memory_breakdown
+    from dynamic_cp.planning.memory import choose_fsdp_mode
     from dynamic_cp.runtime.step_plans import cap_tokens_of
 
     dims = model_dims_of(cfg) if dims is None else dims
     cap = cap_tokens_of(cfg)
     ckpt, ema = cfg.model.gradient_checkpointing, cfg.train.ema_decay > 0
     two = {"experts": 2 if cfg.model.expert == "both" else 1, "idle_expert": cfg.model.idle_expert}
-    if cfg.model.lora is not None:
-        mem = memory_breakdown(
-            dims, "lora", world_size, cap, ckpt, ema=ema, lora_rank=cfg.model.lora.rank, **two
-        )
-        return "none", mem.total, cap
+    if cfg.model.lora is not None:  # the base as stored (model.base_dtype) and placed (model.offload)
+        from dynamic_cp.runtime.run_memory import offload_count, run_breakdown
+
+        blocks = offload_count(cfg, world_size, dims, cap, memory_bytes)
+        return "none", run_breakdown(cfg, world_size, "none", dims, cap, blocks).total, cap
     return choose_fsdp_mode(
         dims,
         world_size,

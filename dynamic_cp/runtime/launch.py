@@ -56,11 +56,29 @@ def resolve_auto_fsdp(
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, fsdp=mode))
 
 
+def resolve_auto_offload(cfg: Config, world: dist.ProcessGroup, device: torch.device | None = None) -> Config:
+    """``cfg`` with ``model.offload_blocks: auto`` replaced by the fewest blocks whose offload makes the
+    run fit the smallest memory of any rank (``run_memory.offload_count``); rank 0 logs it."""
+    if cfg.model.offload == "none" or cfg.model.offload_blocks != "auto":
+        return cfg
+    from dynamic_cp.runtime.fsdp import model_dims_of
+    from dynamic_cp.runtime.run_memory import offload_count
+    from dynamic_cp.runtime.step_plans import cap_tokens_of
+
+    memory = torch.tensor([memory_per_rank(cfg)], dtype=torch.float64, device=device)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN, group=world)
+    dims = model_dims_of(cfg)
+    blocks = offload_count(cfg, dist.get_world_size(world), dims, cap_tokens_of(cfg), memory.item())
+    if dist.get_rank(world) == 0:
+        print(f"model.offload_blocks=auto -> {blocks} of {dims.layers} blocks on the host", flush=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, offload_blocks=blocks))
+
+
 def train_distributed(
     cfg: Config, world: dist.ProcessGroup, resume: str | None = None, device: torch.device | None = None
 ) -> DistributedTrainer:
     """Train on an initialized process group (``world``); returns the trainer (tests read it)."""
-    cfg = resolve_auto_fsdp(cfg, world, device, resume)
+    cfg = resolve_auto_offload(resolve_auto_fsdp(cfg, world, device, resume), world, device)
     trainer = trainer_class(cfg, world)(cfg, world, resume=resume, device=device)
     trainer.train()
     return trainer

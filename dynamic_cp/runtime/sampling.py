@@ -64,13 +64,15 @@ from dit.sampling import (
 )
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.attention.sharding import gather_shards
-from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.hardware import Hardware
+from dynamic_cp.planning.memory import sampling_token_cap
+from dynamic_cp.planning.model_dims import ModelDims
 from dynamic_cp.planning.sampling_planner import (
     Placement,
     SamplingJob,
     SamplingPlan,
     plan_sampling,
-    sampling_token_cap,
 )
 from dynamic_cp.runtime.fsdp import apply_fsdp, empty_micro_batch_loss
 from dynamic_cp.runtime.groups import CPGroups, build_cp_groups

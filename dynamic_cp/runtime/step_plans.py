@@ -11,8 +11,10 @@ from collections.abc import Callable
 
 from dit.config import Config
 from dynamic_cp.planning.baselines import static_plan
-from dynamic_cp.planning.cost_model import CostModel, Hardware, ModelDims
+from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.groups_layout import default_cp_sizes, normalize_cp_sizes
+from dynamic_cp.planning.hardware import Hardware
+from dynamic_cp.planning.model_dims import ModelDims
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.rounds_planner import plan_for_mode
 

@@ -1,0 +1,200 @@
+"""Block offload (dit/block_offload.py, ``model.offload``): outputs and gradients bitwise equal to
+no offload, at most two offloaded blocks on the compute device, and a LoRA run on an offloaded fp8
+base that trains and resumes exactly.
+
+On CPU the compute device and the host are one memory, so the offloader's copies are real copies
+of their own and its placeholders real empty tensors: a block used while offloaded has no weights and
+fails, which is what a GPU would do with weights it never received.
+
+Plants seen to fail: ``_before`` not bringing a block back for its recompute in backward (every
+training test: the recompute finds empty weights); ``_after`` keeping each block after its forward
+(the residency test); the trainer not installing the offloader (the run test).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from test_lora import TARGETS, batch, imported, make_wan
+
+from dit.attention import PackedAttention
+from dit.block_offload import BlockOffloader, checkpoint_on_host
+from dit.fp8_base import store_base_in_fp8
+from dit.model_config import ModelConfig
+from dit.packing import pack
+
+
+def _lora_model(fp8: bool):
+    torch.manual_seed(0)
+    model = imported(make_wan()).requires_grad_(False)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=TARGETS[:6], init_lora_weights=False), model)
+    for n, p in model.named_parameters():
+        p.requires_grad_(".lora_" in n)
+    if fp8:
+        store_base_in_fp8(model, per_row=True, compute_dtype=torch.float32)
+    model.gradient_checkpointing = True
+    return model
+
+
+def _step(model, grad: bool = True):
+    """One forward (and backward) on three uneven clips -> (output, {adapter: grad})."""
+    clips, texts, timesteps = batch()
+    packed = pack(clips, model.patch_size)
+    text, lens = torch.cat(texts), torch.tensor([t.shape[0] for t in texts])
+    with torch.set_grad_enabled(grad):
+        out = model(packed.tokens, packed.positions, packed.seq_lens, timesteps, text, lens,
+                    PackedAttention(packed.seq_lens))  # fmt: skip
+    if not grad:
+        return out, {}
+    (out.square().mean() + out.sum()).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("count", [1, 2])
+def test_outputs_and_gradients_equal_no_offload(fp8, count):
+    plain = _lora_model(fp8)
+    offloaded = copy.deepcopy(plain)
+    off = BlockOffloader(offloaded.blocks, "cpu", count, lambda: offloaded.gradient_checkpointing)
+    assert off.device_bytes() == 0 < off.host_bytes()
+    for grad in (True, False):  # a training step, then a sampling forward
+        want, want_grads = _step(plain, grad)
+        got, got_grads = _step(offloaded, grad)
+        assert torch.equal(got, want)
+        assert got_grads.keys() == want_grads.keys() and (got_grads or not grad)
+        for n in want_grads:
+            assert torch.equal(got_grads[n], want_grads[n]), n
+        assert off.device_bytes() == 0, "an offloaded block stayed on the device after the step"
+
+
+def test_at_most_the_running_and_the_prefetched_block_are_resident():
+    model = _lora_model(fp8=True)
+    blocks = torch.nn.ModuleList([copy.deepcopy(model.blocks[i % 2]) for i in range(5)])
+    model.blocks = blocks  # five blocks: a forward and a backward pass through three or more at once
+    off = BlockOffloader(model.blocks, "cpu", 5, lambda: True)
+    one_block = off.host_bytes() // 5
+    seen = []
+    for b in model.blocks:  # after the offloader's own hook: what the block runs with
+        b.register_forward_pre_hook(lambda *_: seen.append(off.device_bytes()))
+    _step(model)
+    assert len(seen) == 10  # five forwards, five recomputes
+    assert max(seen) <= 2 * one_block and min(seen) >= one_block, seen
+    assert off.peak_blocks == 2 and off.device_bytes() == 0
+
+
+def test_a_block_used_while_offloaded_fails_loudly():
+    model = _lora_model(fp8=False)
+    off = BlockOffloader(model.blocks, "cpu", 2, lambda: True)
+    for h in off._handles:
+        h.remove()  # no hooks: nothing brings the weights in
+    with pytest.raises(RuntimeError):
+        _step(model, grad=False)
+
+
+def test_checkpoint_on_host_matches_the_plain_checkpoint_on_cpu():
+    plain = _lora_model(fp8=False)
+    hosted = copy.deepcopy(plain)
+    hosted.checkpoint_fn = checkpoint_on_host
+    want, want_grads = _step(plain)
+    got, got_grads = _step(hosted)
+    assert torch.equal(got, want) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+def test_bad_offload_settings_are_one_line():
+    with pytest.raises(ValueError, match="model.offload='disk'; choose one of none, blocks"):
+        ModelConfig(offload="disk")
+    with pytest.raises(ValueError, match="set model.lora"):
+        ModelConfig(offload="blocks")
+    with pytest.raises(ValueError, match="model.offload_blocks=-1"):
+        ModelConfig(offload_blocks=-1)
+    with pytest.raises(ValueError, match="only 2 blocks|the model has 2 blocks"):
+        BlockOffloader(_lora_model(False).blocks, "cpu", 3, lambda: True)
+
+
+def test_a_lora_run_with_fp8_and_offload_trains_resumes_and_exports(tmp_path):
+    """3 steps of LoRA on an fp8 base with every block offloaded: equal to the same run without offload
+    (bitwise), a resume from step 2 ends bitwise equal, and the export holds the adapters alone. The
+    run without gradient checkpointing is refused with the fix."""
+    from safetensors.torch import load_file
+    from test_lora import TINY, lora_overrides
+
+    from dit.config import load_config
+    from dit.trainer import Trainer
+
+    make_wan().save_pretrained(tmp_path / "wan")
+    extra = {"model.base_dtype": "fp8_scaled", "model.gradient_checkpointing": True,
+             "train.sample_every": 0, "train.ema_decay": 0}  # fmt: skip
+
+    def run(out, resume=None, **more):
+        cfg = load_config(TINY, lora_overrides(tmp_path, out, **{**extra, **more}))
+        trainer = Trainer(cfg, resume=resume, device=torch.device("cpu"))
+        trainer.train()
+        return trainer
+
+    offloaded = run("offloaded", **{"model.offload": "blocks"})
+    assert [o.swapped for o in offloaded.offloaders] == [{0, 1}]  # auto with no memory limit: all
+    plain = run("plain")
+    live = {n: p for n, p in plain.model.named_parameters() if p.requires_grad}
+    for n, p in offloaded.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, live[n]), n
+    resumed = run("resumed", resume=str(tmp_path / "offloaded" / "checkpoints" / "step_000002"),
+                  **{"model.offload": "blocks", "model.offload_blocks": 1})  # fmt: skip
+    for n, p in resumed.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, live[n]), n
+    keys = set(load_file(str(tmp_path / "offloaded" / "pytorch_lora_weights.safetensors")))
+    assert keys == set(load_file(str(tmp_path / "plain" / "pytorch_lora_weights.safetensors")))
+    with pytest.raises(ValueError, match="set model.gradient_checkpointing=true"):
+        run("no-ckpt", **{"model.offload": "blocks", "model.gradient_checkpointing": False})
+
+
+def test_memory_model_prices_fp8_storage_and_offload_by_hand():
+    """Wan-14B LoRA: the base at 1 byte a weight, 40 - N + 2 blocks of it on the GPU, N on the host,
+    and under blocks+activations the checkpointed inputs (2 d bytes a token a block) on the host."""
+    from dynamic_cp.planning.memory import BYTES_BF16, memory_breakdown
+    from dynamic_cp.planning.model_dims import MODELS
+
+    dims = MODELS["wan-14b"]
+    P, L, d = dims.num_params, dims.layers, dims.d
+    per_block = (P - dims.patch_values * d) / L
+    bf16 = memory_breakdown(dims, "lora", 1, 1000, True)
+    fp8 = memory_breakdown(dims, "lora", 1, 1000, True, base_bytes=1)
+    assert bf16.compute_weights - fp8.compute_weights == pytest.approx(P)
+    off = memory_breakdown(dims, "lora", 1, 1000, True, base_bytes=1, offload_blocks=30)
+    assert fp8.compute_weights - off.compute_weights == pytest.approx(28 * per_block)
+    assert off.offloaded == pytest.approx(30 * per_block) and off.total < fp8.total
+    acts = memory_breakdown(
+        dims, "lora", 1, 1000, True, base_bytes=1, offload_blocks=30, offload_activations=True
+    )
+    assert acts.host_activations_per_token == L * d * BYTES_BF16
+    assert off.activations_per_token - acts.activations_per_token == L * d * BYTES_BF16
+    assert acts.host_offload == pytest.approx(30 * per_block + 1000 * L * d * BYTES_BF16)
+    with pytest.raises(ValueError, match="mode 'lora'"):
+        memory_breakdown(dims, "none", 1, 1000, True, base_bytes=1)
+
+
+def test_dry_run_shows_the_24_gb_recipe_fits_with_its_block_count(capsys):
+    """``train.py --config configs/wan-14b-lora.yaml --dry-run parallel.memory_gb=24``: bf16 does not
+    fit (and names the knobs left); fp8_scaled + blocks+activations fits at 32,768 tokens a rank (one
+    480x832 clip of 81 frames is 32,760), with the block count the run would use."""
+    from pathlib import Path
+
+    import train
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "wan-14b-lora.yaml")
+    argv = ["--config", config, "--dry-run", "--world-size", "1", "parallel.memory_gb=24"]
+    train.main(argv)
+    out = capsys.readouterr().out
+    assert "does not fit in 90% of 24 GB (estimate) at 32,768 tokens" in out
+    assert "try model.base_dtype=fp8_scaled, model.offload=blocks" in out
+    train.main([*argv, "model.base_dtype=fp8_scaled", "model.offload=blocks+activations"])
+    out = capsys.readouterr().out
+    assert (
+        "fits in 90% of 24 GB (estimate) at 32,768 tokens a rank with base_dtype=fp8_scaled + offload 7"
+        in out
+    )
+    assert "model.offload=blocks+activations: 7 blocks offloaded (offload_blocks=auto)" in out
