@@ -137,9 +137,10 @@ def run(args) -> int:
 
     import torch
 
+    from dit.sample_output import check_writable, output_path, remove_partials
     from dit.sample_requests import build_queue
     from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
-    from dit.sampling import check_requests, check_writable, output_path, remove_partials, sample_queue
+    from dit.sampling import check_requests, sample_queue
     from dit.trainer import autocast_dtype
 
     requests = build_queue(args.prompt, args.prompts_file, request_defaults(args))
@@ -216,7 +217,7 @@ def write_grid(out: Path, requests, paths: dict, seed: int) -> None:
     import imageio.v3 as iio
     import torch
 
-    from dit.sampling import frame_grid, write_grid_png
+    from dit.sample_output import frame_grid, write_grid_png
 
     shapes = {(r.frames, r.height, r.width) for r in requests}
     if len(shapes) > 1:

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from data.synthetic import SyntheticClips
     from dit.checkpoint import resolve_checkpoint
     from dit.config import Config, from_dict
-    from dit.sampling import frame_grid, generate
+    from dit.sample_output import frame_grid
+    from dit.sampling import generate
     from dit.setup import build_text_encoder
     from sample import load_sampling_model
 

@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from dit.config import Config, from_dict
+    from dit.sample_output import write_clips
     from dit.sampler_setup import load_sampling_model
-    from dit.sampling import generate, write_clips
+    from dit.sampling import generate
     from dit.setup import build_text_encoder
 
     cfg = from_dict(Config, yaml.safe_load((base_step / "config.yaml").read_text()))

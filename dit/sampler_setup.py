@@ -179,7 +179,7 @@ def load_pretrained_sampler(
     load them."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae, wan_vae_kind
-    from dit.sampling import data_channels
+    from dit.sample_conditioning import data_channels
     from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
 
     path = Path(folder)

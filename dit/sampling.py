@@ -5,7 +5,9 @@ by the request's seed, so the same request gives the same clip whatever else is 
 wherever it runs. One guided step packs the conditional and unconditional branches into one forward
 pass (two clips of one packed sequence). The pieces (``branch_velocity``, ``denoise``, ``decode``)
 are what ``dynamic_cp/runtime/sampling.py`` runs on a CP group: it hands ``branch_velocity`` a CP
-attention function and a token range instead of ``PackedAttention`` and the whole sequence.
+attention function and a token range instead of ``PackedAttention`` and the whole sequence. A
+request's image inputs are built in ``dit/sample_conditioning.py``, its files written by
+``dit/sample_output.py``.
 
 Legend: n = tokens of one clip, p = patch values, k = branches in one forward (1 or 2).
 """
@@ -14,10 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +23,22 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from data.image_cond import image_condition
 from data.tokens import latent_shape
 from dit.attention import AttentionFn, PackedAttention
 from dit.flow import shift_for_tokens
-from dit.image_cond import conditioning_of, join_condition
+from dit.image_cond import join_condition
 from dit.packing import check_divisible, grid_positions, local_seq_lens, patchify, unpatchify
+from dit.sample_conditioning import (
+    checked_conditioning,
+    data_channels,
+    image_inputs,
+    model_stride,
+    request_images,
+    ti2v_first_frame,
+)
+from dit.sample_output import write_video
 from dit.sample_requests import SampleRequest
-from dit.ti2v import check_first_frame_patch, replace_first_frame
+from dit.ti2v import replace_first_frame
 
 # (x (n, p), timestep) -> (v_cond (n, p), v_uncond (n, p) or None): one guided step's velocities
 Velocities = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -215,15 +221,6 @@ class Prepared:
         return self.noise.shape[0]
 
 
-def model_stride(model, vae) -> tuple[int, int, int]:
-    return (1, 1, 1) if vae is None else tuple(vae.stride)
-
-
-def data_channels(model) -> int:
-    """Channels of the latent being denoised: the output's (an image-to-video model takes more in)."""
-    return getattr(model.config, "out_channels", None) or model.config.in_channels
-
-
 def prepare(
     model,
     text_encoder,
@@ -262,102 +259,6 @@ def prepare(
         image_tokens,
         first_frame,
     )
-
-
-def ti2v_first_frame(model, vae, request: SampleRequest, image, last_image, positions):
-    """(image latent tokens (n, p), clean (n,)) of a TI2V image-to-video request; None for text-to-video.
-
-    The image alone goes through the VAE (normalized, as the pipeline's ``latent_condition``) and
-    stands in for latent frame 0; ``positions`` say which tokens lie there."""
-    checked_conditioning(model, vae, request, image, last_image)
-    if image is None:
-        return None
-    device = positions.device
-    if vae is None:
-        from data.vaes import IdentityVAE
-
-        vae = IdentityVAE(image.shape[0])
-    latent = vae.encode(image.to(device, torch.float32)[None, :, None])[0].float()  # (c, 1, h, w)
-    grid_f = int(positions[:, 0].max()) + 1
-    tokens = patchify(latent.expand(-1, grid_f, -1, -1), tuple(model.config.patch_size))  # (n, p)
-    return tokens, positions[:, 0] == 0
-
-
-def request_images(request: SampleRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The request's first and last frames read from its ``image`` / ``last_image`` files."""
-    from data.image_encoders import read_image
-
-    return tuple(read_image(path) if path else None for path in (request.image, request.last_image))
-
-
-def checked_conditioning(model, vae, request: SampleRequest, image, last_image):
-    """The model's ``ImageConditioning`` (None: text-to-video) once the request's frames fit it; a
-    ValueError naming the request and the fix when they do not."""
-    where = request.label()
-    temporal = model_stride(model, vae)[0]
-    if getattr(model.config, "expand_timesteps", False):  # TI2V: text-to-video, or --image as frame 0
-        check_first_frame_patch(model.config.patch_size)
-        if last_image is not None:
-            raise ValueError(f"{where}: Wan2.2 TI2V takes a first frame only; drop --last-image")
-        check_frame_sizes(request, image, last_image)
-        return None
-    conditioning = conditioning_of(model.config, data_channels(model), temporal)
-    if conditioning is None:
-        if image is not None or last_image is not None:
-            raise ValueError(f"{where}: an image was given but this is a text-to-video model; drop --image")
-        return None
-    if image is None:
-        raise ValueError(
-            f"{where}: this is an image-to-video model: pass the first frame with --image PATH"
-            + (" and the last with --last-image PATH" if conditioning.last_frame else "")
-            + ' (or "image" in the queue line)'
-        )
-    if conditioning.last_frame != (last_image is not None):
-        need = (
-            "needs --last-image PATH (FLF2V: first and last frame)"
-            if conditioning.last_frame
-            else "takes no --last-image (only FLF2V models do)"
-        )
-        raise ValueError(f"{where}: this model {need}")
-    check_frame_sizes(request, image, last_image)
-    return conditioning
-
-
-def check_frame_sizes(request: SampleRequest, image, last_image) -> None:
-    """ValueError naming the request when a given frame's size is not the clip's."""
-    where = request.label()
-    for name, frame in (("--image", image), ("--last-image", last_image)):
-        if frame is not None and tuple(frame.shape[1:]) != (request.height, request.width):
-            raise ValueError(
-                f"{where}: {name} is {frame.shape[2]}x{frame.shape[1]} but the clip is {request.width}x"
-                f"{request.height} (width x height); resize the image or pass --width {frame.shape[2]} "
-                f"--height {frame.shape[1]}"
-            )
-
-
-def image_inputs(model, vae, request: SampleRequest, image, last_image, image_encoder):
-    """-> the condition tokens (n, P*cc) and the CLIP tokens (m, image_dim) of an image-to-video model,
-    (None, None) for a text-to-video one."""
-    conditioning = checked_conditioning(model, vae, request, image, last_image)
-    if conditioning is None:
-        return None, None
-    device = next(model.parameters()).device
-    image = image.to(device, torch.float32)
-    last = None if last_image is None else last_image.to(device, torch.float32)
-    if vae is None:
-        from data.vaes import IdentityVAE
-
-        vae = IdentityVAE(image.shape[0])
-    patch = tuple(model.config.patch_size)
-    condition = patchify(image_condition(vae, image, request.frames, last), patch)  # (n, P*cc)
-    if not conditioning.clip_tokens:
-        return condition, None
-    if image_encoder is None:
-        raise ValueError(
-            f"{request.label()}: this model has image_dim: pass an image encoder (data.image_encoder_path)"
-        )
-    frames = torch.stack([image] if last is None else [image, last])
-    return condition, image_encoder.encode(frames).flatten(0, 1).to(device, torch.float32)  # (m, image_dim)
 
 
 @torch.no_grad()
@@ -445,18 +346,6 @@ def generate(
     ]
 
 
-def check_writable(requests: list[SampleRequest], upscale: int) -> None:
-    """H.264 (yuv420p) needs even frame sizes: a ValueError naming the first request whose written
-    clip (its size times ``upscale``) has an odd height or width, before anything is sampled."""
-    for r in requests:
-        h, w = r.height * upscale, r.width * upscale
-        if h % 2 or w % 2:
-            raise ValueError(
-                f"{r.label()}: a {w}x{h} clip (width x height, after --upscale {upscale}) cannot be written "
-                "as H.264, which needs even sizes; ask for an even --height/--width or pass --upscale 2"
-            )
-
-
 def check_requests(model, vae, requests: list[SampleRequest], images=None) -> None:
     """Every request's shape against the VAE stride and patch, and its frames against the model (an
     image-to-video model needs them, a text-to-video one refuses them): one ValueError naming the
@@ -470,16 +359,6 @@ def check_requests(model, vae, requests: list[SampleRequest], images=None) -> No
                 "model, and this model is one; drop --guidance-2 (or the queue's guidance_2)"
             )
         checked_conditioning(model, vae, r, *(images if images is not None else request_images(r)))
-
-
-def output_path(out_dir: str | Path, request: SampleRequest, settings: str = "") -> Path:
-    """``<index>_<prompt>_seed<seed>_<key>.mp4``: the key changes with anything that changes the
-    clip (the request and ``settings``: model, shift, output options), so a rerun skips exactly the
-    clips it would write again."""
-    return (
-        Path(out_dir)
-        / f"{request.index:02d}_{slug(request.prompt)}_seed{request.seed}_{request.key(settings)}.mp4"
-    )
 
 
 def sample_queue(
@@ -504,98 +383,3 @@ def sample_queue(
         written.append(write_video(video, paths[r.index], fps, upscale))
         print(f"[{i}/{len(todo)}] {written[-1]}", flush=True)
     return written
-
-
-def to_uint8_frames(video: torch.Tensor, upscale: int = 1) -> torch.Tensor:
-    """(3, f, h, w) in [-1, 1] -> (f, h*upscale, w*upscale, 3) uint8, nearest-neighbour enlarged."""
-    frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
-    if upscale > 1:
-        frames = frames.repeat_interleave(upscale, dim=1).repeat_interleave(upscale, dim=2)
-    return frames
-
-
-def frame_grid(videos: list[torch.Tensor], upscale: int = 1) -> torch.Tensor:
-    """Rows = prompts, columns = frames -> one (H, W, 3) uint8 image. Clips must share a shape."""
-    rows = [torch.cat(list(to_uint8_frames(v, upscale)), dim=1) for v in videos]
-    return torch.cat(rows, dim=0)
-
-
-def slug(text: str, limit: int = 60) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:limit] or "unconditional"
-
-
-def write_clips(
-    videos: list[torch.Tensor],
-    prompts: list[str],
-    out_dir: str | Path,
-    seed: int,
-    fps: int = 8,
-    upscale: int = 4,
-    grid: bool = True,
-    tag: str = "",
-) -> list[Path]:
-    """One .mp4 per prompt and (``grid``) one PNG of all frames, rows = prompts; -> the paths written.
-
-    ``tag`` prefixes the names (the training step, for validation clips)."""
-
-    out = Path(out_dir)
-    paths = []
-    for i, (prompt, video) in enumerate(zip(prompts, videos)):
-        path = out / f"{tag}{i:02d}_{slug(prompt)}_seed{seed}.mp4"
-        paths.append(write_video(video, path, fps, upscale))
-    if grid:
-        path = out / f"{tag}grid_seed{seed}.png"
-        paths.append(write_grid_png(frame_grid(videos, upscale), path))
-    return paths
-
-
-PARTIAL_PREFIX = ".partial-"
-
-
-def remove_partials(out_dir: str | Path) -> int:
-    """Delete the temporary folders a killed job left in ``out_dir`` (never a finished clip); -> how
-    many. Call it before this job writes anything there."""
-    out = Path(out_dir)
-    stale = list(out.glob(PARTIAL_PREFIX + "*")) if out.is_dir() else []
-    for folder in stale:
-        shutil.rmtree(folder, ignore_errors=True)
-    return len(stale)
-
-
-class _partial:
-    """A temporary path beside ``path`` (same name, in a hidden folder of the same directory) that
-    is renamed onto ``path`` on success: a killed job never leaves a truncated clip under its name."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=self.path.parent)
-        return Path(self.dir) / self.path.name  # same suffix: ffmpeg picks the container by it
-
-    def __exit__(self, kind, *_):
-        try:
-            if kind is None:
-                os.replace(Path(self.dir) / self.path.name, self.path)
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def write_video(video: torch.Tensor, path: Path, fps: int = 8, upscale: int = 1) -> Path:
-    """(3, f, h, w) in [-1, 1] -> ``path`` (.mp4, H.264), written atomically."""
-    import imageio.v2 as imageio
-
-    frames = to_uint8_frames(video, upscale).numpy()
-    with _partial(Path(path)) as tmp:
-        imageio.mimwrite(tmp, list(frames), fps=fps, codec="libx264", macro_block_size=1, quality=8)
-    return Path(path)
-
-
-def write_grid_png(grid: torch.Tensor, path: Path) -> Path:
-    """(H, W, 3) uint8 -> ``path`` (.png), written atomically."""
-    import imageio.v2 as imageio
-
-    with _partial(Path(path)) as tmp:
-        imageio.imwrite(tmp, grid.numpy())
-    return Path(path)

@@ -126,7 +126,7 @@ class Tracker:
             return None
         import imageio.v3 as iio
 
-        from dit.sampling import to_uint8_frames
+        from dit.sample_output import to_uint8_frames
 
         frames = to_uint8_frames(video)  # (f, h, w, 3) uint8
         path = mp4
@@ -145,7 +145,7 @@ class Tracker:
         return path
 
     def log_images(self, name: str, images: torch.Tensor, step: int) -> None:
-        """Images as (n, h, w, 3) uint8 (e.g. ``dit.sampling.frame_grid`` output with a leading 1)."""
+        """Images as (n, h, w, 3) uint8 (e.g. ``dit.sample_output.frame_grid`` output with a leading 1)."""
         if self._tb is not None:
             self._tb.add_images(name, images.numpy(), step, dataformats="NHWC")
             self._tb.flush()

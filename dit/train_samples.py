@@ -13,7 +13,8 @@ from dit.config import TrainConfig
 def training_samples(model, encoder, t: TrainConfig, shift: float, out: Path, step: int):
     """-> (videos, mp4 paths): ``t.sample_prompts`` at ``t.sample_shape`` and a fixed seed, written
     under ``<out>/samples`` with the step in their names (and a PNG grid)."""
-    from dit.sampling import generate, write_clips
+    from dit.sample_output import write_clips
+    from dit.sampling import generate
 
     frames, height, width = t.sample_shape
     model.eval()

@@ -10,8 +10,9 @@ import torch
 import sample
 from data.hashed_text import HashedTextEncoder
 from dit.model import VideoDiT
+from dit.sample_output import output_path
 from dit.sample_requests import build_queue
-from dit.sampling import check_requests, output_path, sample_queue, sample_request
+from dit.sampling import check_requests, sample_queue, sample_request
 
 DEFAULTS = dict(frames=3, height=16, width=16, steps=2, guidance=4.0, seed=10, negative_prompt="")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dit import sampling
+from dit import sample_conditioning, sample_output, sampling
 from dit.flow import shift_for_tokens
 from dit.packing import patchify, unpatchify
 from dit.sample_requests import SampleRequest
@@ -341,7 +341,7 @@ def test_flf2v_reads_both_frames_from_the_request_and_hands_their_clip_tokens():
     first = _png(tmp / "first.png", np.full((2, 4, 3), 255))  # white -> 1
     last = _png(tmp / "last.png", np.zeros((2, 4, 3)))  # black -> -1
     r = request(frames=3, height=2, width=4, image=first, last_image=last)
-    images = sampling.request_images(r)
+    images = sample_conditioning.request_images(r)
     assert [tuple(i.shape) for i in images] == [(3, 2, 4)] * 2
     prep = sampling.prepare(model, Encoder(), None, r, image_encoder=FrameMeans())
     assert prep.image_tokens.dtype == torch.float32
@@ -350,7 +350,7 @@ def test_flf2v_reads_both_frames_from_the_request_and_hands_their_clip_tokens():
     assert cond[0, :, 0, 0].tolist() == [1.0, 0.0, 1.0]  # first and last frame given
     assert cond[1:, 0].unique().tolist() == [1.0] and cond[1:, 2].unique().tolist() == [-1.0]
     assert cond[1:, 1].abs().max() == 0
-    assert sampling.request_images(request()) == (None, None)
+    assert sample_conditioning.request_images(request()) == (None, None)
     x = sampling.sample_request(model, Encoder(), None, r, image_encoder=FrameMeans(), return_latents=True)
     assert x.shape == (C, 3, 2, 4) and model.calls[-1]["image"].shape == (2, 4, 5)
 
@@ -415,10 +415,10 @@ def test_check_requests_reads_each_requests_own_files(tmp_path):
 
 def test_frames_to_uint8_round_clamp_and_enlarge():
     video = torch.tensor([-3.0, -1.0, -0.5, 0.0, 1.0, 2.0]).view(1, 1, 1, 6).expand(3, 2, 1, 6)
-    frames = sampling.to_uint8_frames(video)
+    frames = sample_output.to_uint8_frames(video)
     assert frames.shape == (2, 1, 6, 3) and frames.dtype == torch.uint8
     assert frames[0, 0, :, 0].tolist() == [0, 0, 64, 128, 255, 255]
-    big = sampling.to_uint8_frames(torch.arange(4.0).view(1, 1, 2, 2).expand(3, 1, 2, 2) / 4, upscale=2)
+    big = sample_output.to_uint8_frames(torch.arange(4.0).view(1, 1, 2, 2).expand(3, 1, 2, 2) / 4, upscale=2)
     assert big.shape == (1, 4, 4, 3)
     assert big[0, :, :, 0].tolist() == [[128, 128, 159, 159], [128, 128, 159, 159],
                                          [191, 191, 223, 223], [191, 191, 223, 223]]  # fmt: skip
@@ -428,19 +428,19 @@ def test_frame_grid_rows_are_prompts_and_columns_frames():
     a = torch.full((3, 2, 1, 2), -1.0)  # 2 frames of 1 x 2
     b = torch.full((3, 2, 1, 2), 1.0)
     b[:, 1] = 0.0
-    grid = sampling.frame_grid([a, b], upscale=2)
+    grid = sample_output.frame_grid([a, b], upscale=2)
     assert grid.shape == (4, 8, 3)
     assert grid[:, :, 0].tolist() == [[0] * 8] * 2 + [[255] * 4 + [128] * 4] * 2
 
 
 def test_slug_output_path_and_written_file_names(tmp_path):
-    assert sampling.slug("  A Red-Ball, at 3 PM!  ") == "a_red_ball_at_3_pm"
-    assert sampling.slug("x" * 70) == "x" * 60 and sampling.slug("x" * 9, limit=4) == "xxxx"
-    assert sampling.slug("!!") == "unconditional"
+    assert sample_output.slug("  A Red-Ball, at 3 PM!  ") == "a_red_ball_at_3_pm"
+    assert sample_output.slug("x" * 70) == "x" * 60 and sample_output.slug("x" * 9, limit=4) == "xxxx"
+    assert sample_output.slug("!!") == "unconditional"
     r = request(index=3, prompt="Two Cats", seed=12)
-    path = sampling.output_path(tmp_path, r, "shift=2")
+    path = sample_output.output_path(tmp_path, r, "shift=2")
     assert path == tmp_path / f"03_two_cats_seed12_{r.key('shift=2')}.mp4"
-    assert path != sampling.output_path(tmp_path, r)
+    assert path != sample_output.output_path(tmp_path, r)
 
 
 def _read(path):
@@ -453,7 +453,7 @@ def _read(path):
 def test_write_clips_writes_one_mp4_per_prompt_and_a_grid(tmp_path):
     videos = [torch.full((3, 2, 3, 5), -1.0), torch.full((3, 2, 3, 5), 1.0)]
     out = tmp_path / "new" / "dir"  # created
-    paths = sampling.write_clips(videos, ["Red", "blue sky"], out, seed=9, fps=6, tag="step10_")
+    paths = sample_output.write_clips(videos, ["Red", "blue sky"], out, seed=9, fps=6, tag="step10_")
     names = [p.name for p in paths]
     assert names == ["step10_00_red_seed9.mp4", "step10_01_blue_sky_seed9.mp4", "step10_grid_seed9.png"]
     assert all(p.is_file() for p in paths)
@@ -463,35 +463,35 @@ def test_write_clips_writes_one_mp4_per_prompt_and_a_grid(tmp_path):
     assert imageio.imread(paths[2]).shape == (2 * 12, 2 * 20, 3)
     assert sorted(p.name for p in out.iterdir()) == sorted(names)  # no temporary folder left
     small = [torch.zeros(3, 1, 2, 6)]
-    paths = sampling.write_clips(small, ["x"], tmp_path / "b", seed=1, upscale=1, grid=False)
+    paths = sample_output.write_clips(small, ["x"], tmp_path / "b", seed=1, upscale=1, grid=False)
     rate, frames = _read(paths[0])
     assert len(paths) == 1 and rate == 8 and frames[0].shape == (2, 6, 3)  # kept (not padded to 16 px)
 
 
 def test_remove_partials_deletes_only_what_a_killed_job_left(tmp_path):
-    assert sampling.remove_partials(tmp_path / "missing") == 0
+    assert sample_output.remove_partials(tmp_path / "missing") == 0
     (tmp_path / ".partial-abc").mkdir()
     (tmp_path / ".partial-abc" / "00_x.mp4").write_bytes(b"half")
     (tmp_path / ".partial-def").mkdir()
     (tmp_path / "00_done.mp4").write_bytes(b"clip")
-    assert sampling.remove_partials(tmp_path) == 2
+    assert sample_output.remove_partials(tmp_path) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["00_done.mp4"]
     (tmp_path / ".partial-stray").write_bytes(b"")  # a file of that name: left, the job goes on
-    assert sampling.remove_partials(tmp_path) == 1
+    assert sample_output.remove_partials(tmp_path) == 1
 
 
 def test_a_write_that_fails_leaves_neither_the_clip_nor_its_temporary_folder(tmp_path):
     target = tmp_path / "sub" / "00_x.mp4"
     with pytest.raises(RuntimeError):
-        with sampling._partial(target) as tmp:
+        with sample_output._partial(target) as tmp:
             assert tmp.name == "00_x.mp4" and tmp.parent.name.startswith(".partial-")
             tmp.write_bytes(b"half")
             raise RuntimeError("killed")
     assert list((tmp_path / "sub").iterdir()) == []
-    with sampling._partial(target) as tmp:
+    with sample_output._partial(target) as tmp:
         tmp.write_bytes(b"whole")
     assert target.read_bytes() == b"whole" and [p.name for p in (tmp_path / "sub").iterdir()] == ["00_x.mp4"]
-    with sampling._partial(target) as tmp:
+    with sample_output._partial(target) as tmp:
         tmp.write_bytes(b"again")  # replaces an older clip of the same name
     assert target.read_bytes() == b"again"
 
@@ -499,7 +499,7 @@ def test_a_write_that_fails_leaves_neither_the_clip_nor_its_temporary_folder(tmp
 def test_sample_queue_writes_each_missing_clip_and_skips_the_rest(tmp_path, capsys):
     model = ConstantVelocity()
     queue = [request(index=i, prompt=p, frames=1, height=1, width=2, steps=1, guidance=1.0) for i, p in enumerate("ab")]  # fmt: skip
-    paths = {r.index: sampling.output_path(tmp_path, r) for r in queue}
+    paths = {r.index: sample_output.output_path(tmp_path, r) for r in queue}
     paths[0].write_bytes(b"done")
     written = sampling.sample_queue(model, Encoder(), None, queue, paths, 1.0, fps=4, upscale=2)
     assert written == [paths[1]] and paths[0].read_bytes() == b"done"
@@ -516,15 +516,15 @@ def test_sample_queue_writes_each_missing_clip_and_skips_the_rest(tmp_path, caps
 
 def test_model_stride_and_data_channels():
     model = ConstantVelocity(in_channels=7)
-    assert sampling.model_stride(model, None) == (1, 1, 1)
-    assert sampling.model_stride(model, SimpleNamespace(stride=[4, 8, 8])) == (4, 8, 8)
-    assert sampling.data_channels(model) == C
+    assert sample_conditioning.model_stride(model, None) == (1, 1, 1)
+    assert sample_conditioning.model_stride(model, SimpleNamespace(stride=[4, 8, 8])) == (4, 8, 8)
+    assert sample_conditioning.data_channels(model) == C
     model.config.out_channels = None
-    assert sampling.data_channels(model) == 7
+    assert sample_conditioning.data_channels(model) == 7
 
 
 def test_a_clip_h264_cannot_hold_is_refused_naming_the_request_and_the_fix():
-    from dit.sampling import check_writable
+    from dit.sample_output import check_writable
 
     odd = SampleRequest(3, "p", 1, 7, 8, 1, 1.0, 0, where="queue.jsonl line 4")
     with pytest.raises(ValueError, match=r"queue.jsonl line 4: a 8x7 clip .*after --upscale 1.* --upscale 2"):

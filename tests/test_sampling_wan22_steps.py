@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dit import sampling
+from dit import sample_conditioning, sample_output, sampling
 from dit.packing import grid_positions, patchify
 from tests.test_sampling_steps import C, ConstantVelocity, Encoder, _read, request
 
@@ -68,11 +68,11 @@ def test_ti2v_first_frame_is_the_image_on_latent_frame_zero():
     r = request(frames=3, height=4, width=3)
     positions = grid_positions((3, 2, 3))
     image = _image(4, 3)
-    tokens, clean = sampling.ti2v_first_frame(model, None, r, image, None, positions)
+    tokens, clean = sample_conditioning.ti2v_first_frame(model, None, r, image, None, positions)
     want = patchify(image[:, None].expand(-1, 3, -1, -1), (1, 2, 1))  # (18, 3 * 2)
     torch.testing.assert_close(tokens, want, rtol=0, atol=0)
     assert clean.tolist() == [True] * 6 + [False] * 12
-    assert sampling.ti2v_first_frame(model, None, r, None, None, positions) is None
+    assert sample_conditioning.ti2v_first_frame(model, None, r, None, None, positions) is None
 
 
 def test_ti2v_refuses_a_last_frame_naming_the_fix():
@@ -81,8 +81,8 @@ def test_ti2v_refuses_a_last_frame_naming_the_fix():
     with pytest.raises(
         ValueError, match="queue.jsonl line 2: Wan2.2 TI2V takes a first frame only; drop --last-image"
     ):
-        sampling.checked_conditioning(model, None, r, _image(2, 2), _image(2, 2))
-    assert sampling.checked_conditioning(model, None, r, _image(2, 2), None) is None
+        sample_conditioning.checked_conditioning(model, None, r, _image(2, 2), _image(2, 2))
+    assert sample_conditioning.checked_conditioning(model, None, r, _image(2, 2), None) is None
 
 
 def test_a_ti2v_clip_starts_from_the_image_and_keeps_it():
@@ -166,7 +166,7 @@ def test_height_and_width_each_take_their_own_stride():
 def test_sample_queue_defaults_to_8_fps_no_enlarging_and_no_skip_message(tmp_path, capsys):
     """Planted: fps 9, upscale 2, the 'already in place' line printed when nothing is -> fails."""
     queue = [request(index=0, frames=1, height=2, width=4, steps=1, guidance=1.0)]
-    paths = {0: sampling.output_path(tmp_path, queue[0])}
+    paths = {0: sample_output.output_path(tmp_path, queue[0])}
     sampling.sample_queue(ConstantVelocity(), Encoder(), None, queue, paths, 1.0)
     assert "already in place" not in capsys.readouterr().out
     rate, frames = _read(paths[0])
@@ -191,11 +191,13 @@ def test_write_video_defaults_and_its_temporary_folder_beside_the_clip(tmp_path,
 
     monkeypatch.setattr(imageio, "mimwrite", spy)
     out = tmp_path / "clips" / "a.mp4"
-    assert sampling.write_video(video, out) == out
-    assert seen[0].parent.parent == out.parent and seen[0].parent.name.startswith(sampling.PARTIAL_PREFIX)
+    assert sample_output.write_video(video, out) == out
+    assert seen[0].parent.parent == out.parent and seen[0].parent.name.startswith(
+        sample_output.PARTIAL_PREFIX
+    )
     rate, frames = _read(out)
     assert rate == 8 and len(frames) == 2 and frames[0].shape == (2, 4, 3)
-    assert sampling.frame_grid([video]).shape == (2, 2 * 4, 3)
+    assert sample_output.frame_grid([video]).shape == (2, 2 * 4, 3)
 
 
 def test_the_i2v_mask_has_one_channel_per_frame_of_the_vaes_temporal_stride():
@@ -205,5 +207,7 @@ def test_the_i2v_mask_has_one_channel_per_frame_of_the_vaes_temporal_stride():
 
     model = ConstantVelocity(in_channels=2 * C + 2)
     vae = SimpleNamespace(stride=(2, 1, 1))
-    cond = sampling.checked_conditioning(model, vae, request(frames=3, height=2, width=2), _image(2, 2), None)
+    cond = sample_conditioning.checked_conditioning(
+        model, vae, request(frames=3, height=2, width=2), _image(2, 2), None
+    )
     assert cond is not None and cond.temporal == 2 and not cond.last_frame

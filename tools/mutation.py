@@ -103,6 +103,16 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sampling_guidance.py",
         "tests/test_sampling_wan22_steps.py",
     ],
+    "dit/sample_conditioning.py": [
+        "tests/test_sampling_steps.py",
+        "tests/test_sampling_guidance.py",
+        "tests/test_sampling_wan22_steps.py",
+    ],
+    "dit/sample_output.py": [
+        "tests/test_sampling_steps.py",
+        "tests/test_sampling_guidance.py",
+        "tests/test_sampling_wan22_steps.py",
+    ],
     "dynamic_cp/planning/sampling_planner.py": ["tests/test_sampling_planner.py"],
     "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [

@@ -50,6 +50,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dit.sample_output import write_video
 from dit.sample_requests import SampleRequest
 from dit.sampling import (
     compute_dtype,
@@ -60,7 +61,6 @@ from dit.sampling import (
     prepare,
     request_grid,
     request_scheduler,
-    write_video,
 )
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.attention.sharding import gather_shards
