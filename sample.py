@@ -190,7 +190,7 @@ def run(args) -> int:
                 device,
             )
         else:
-            from dynamic_cp.runtime.sampling import check_memory, device_memory, resident_bytes
+            from dynamic_cp.runtime.sampling_plan import check_memory, device_memory, resident_bytes
 
             memory = device_memory(device, args.memory_gb)
             if memory is not None:  # a request that cannot fit fails now, not after the others

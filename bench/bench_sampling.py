@@ -68,7 +68,8 @@ def _worker(rank, world_size, policy, short):
     from data.hashed_text import HashedTextEncoder
     from dynamic_cp.planning.sampling_planner import SamplingJob, plan_sampling
     from dynamic_cp.runtime.groups import build_cp_groups
-    from dynamic_cp.runtime.sampling import request_tokens, run_plan, sampling_cost_model
+    from dynamic_cp.runtime.sampling import run_plan
+    from dynamic_cp.runtime.sampling_plan import request_tokens, sampling_cost_model
 
     model, enc, requests = make_model(), HashedTextEncoder(dim=16), queue(short)
     cost = sampling_cost_model(model, torch.device("cpu"), dist.group.WORLD, None)

@@ -45,7 +45,8 @@ def _worker(rank, world_size, hand_plan):
     from torch.distributed.tensor import DTensor
 
     from dynamic_cp.runtime.groups import build_cp_groups
-    from dynamic_cp.runtime.sampling import plan_queue, request_tokens, run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling import run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling_plan import plan_queue, request_tokens
 
     model, enc = make_model(lora=True), HashedTextEncoder(dim=16)
     full = sum(p.numel() for p in model.parameters())
@@ -101,7 +102,7 @@ def test_auto_shards_only_when_replicated_weights_leave_no_room():
     priced at 2 bytes whatever their dtype fails the fp32 case."""
     from dit.model import cast_weights
     from dynamic_cp.planning.cost_model import CostModel
-    from dynamic_cp.runtime.sampling import plan_with_weights
+    from dynamic_cp.runtime.sampling_plan import plan_with_weights
 
     fp32, wan14 = make_model(lora=False), CostModel.from_name("wan-14b", "h100").forward()
     assert plan_with_weights("auto", fp32, None, FSDP_REQUESTS, 8, wan14, 60e9, True)[0] == "per_layer"
@@ -130,7 +131,8 @@ def _bf16_worker(rank, world_size):
 
     from dit.sampler_setup import sampling_weights
     from dynamic_cp.runtime.groups import build_cp_groups
-    from dynamic_cp.runtime.sampling import request_tokens, run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling import run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling_plan import request_tokens
 
     model = sampling_weights(make_model(lora=True), torch.bfloat16)  # as sample.py --precision bf16
     enc, cost = HashedTextEncoder(dim=16), cost_model(model)

@@ -89,7 +89,8 @@ def _worker(rank, world_size, placements, lora, use_planner):
     import torch.distributed as dist
 
     from dynamic_cp.runtime.groups import build_cp_groups
-    from dynamic_cp.runtime.sampling import plan_queue, run_plan
+    from dynamic_cp.runtime.sampling import run_plan
+    from dynamic_cp.runtime.sampling_plan import plan_queue
 
     model, enc = make_model(lora), HashedTextEncoder(dim=16)
     cost = cost_model(model)
@@ -207,7 +208,7 @@ def test_the_queue_plan_prices_each_clips_decode_by_its_pixels():
     """``plan_queue`` (what sample.py plans under torchrun) gives the planner each request's decoded
     pixels, frames x height x width, so the owner's decode is priced at the profile's rate. Planted:
     the pixels left out (0) -> fails."""
-    from dynamic_cp.runtime.sampling import plan_queue
+    from dynamic_cp.runtime.sampling_plan import plan_queue
 
     model = make_model(False)
     cost = cost_model(model)

@@ -57,7 +57,8 @@ def _worker(rank, world_size, hand_plan):
 
     from dynamic_cp.planning.sampling_planner import SamplingPlan, lockstep, round_phases
     from dynamic_cp.runtime.groups import build_cp_groups
-    from dynamic_cp.runtime.sampling import plan_queue, run_plan, sampling_jobs, shard_for_sampling
+    from dynamic_cp.runtime.sampling import run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling_plan import plan_queue, sampling_jobs
 
     model, enc = pair(), HashedTextEncoder(dim=16)
     cost = cost_model(model)
@@ -89,7 +90,7 @@ def references():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_two_expert_sampling_gives_the_one_process_clips(references, world_size):
-    from dynamic_cp.runtime.sampling import sampling_jobs
+    from dynamic_cp.runtime.sampling_plan import sampling_jobs
 
     assert [j.phases for j in sampling_jobs(pair(), None, QUEUE, SHIFT)] == PHASES
     results = run_gloo(_worker, world_size, None if world_size == 2 else HAND_PLAN_3, timeout_s=60)
@@ -122,7 +123,7 @@ def test_sharded_memory_holds_1_over_w_of_the_idle_expert():
     10 GB plan fails."""
     from dit.sampler_setup import sampling_weights
     from dynamic_cp.planning.cost_model import CostModel
-    from dynamic_cp.runtime.sampling import plan_with_weights
+    from dynamic_cp.runtime.sampling_plan import plan_with_weights
 
     wan14 = CostModel.from_name("wan-14b", "h100").forward()
     small = [dataclasses.replace(r, steps=2) for r in QUEUE[:2]]
@@ -138,7 +139,8 @@ def _i2v_worker(rank, world_size, requests, clip_path):
 
     from data.image_encoders import load_image_encoder
     from dynamic_cp.runtime.groups import build_cp_groups
-    from dynamic_cp.runtime.sampling import plan_queue, run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling import run_plan, shard_for_sampling
+    from dynamic_cp.runtime.sampling_plan import plan_queue
 
     model, enc, clip = make_i2v_model(), HashedTextEncoder(dim=16), load_image_encoder(clip_path)
     cost = cost_model(model)

@@ -89,7 +89,7 @@ def test_the_memory_check_prices_both_resident_experts():
 
     from dit.model import cast_weights
     from dynamic_cp.planning.memory import BYTES_BF16, sampling_token_cap
-    from dynamic_cp.runtime.sampling import check_memory
+    from dynamic_cp.runtime.sampling_plan import check_memory
 
     model = cast_weights(pair(), torch.bfloat16, keep_fp32=False)
     dims = cost_model(model).dims
