@@ -53,7 +53,7 @@ class ExpertPair(nn.Module):
         model_index.json with the switch, which model.pretrained (and model.expert) reads back."""
         from pathlib import Path
 
-        from dit.wan_import import EXPERT_FOLDERS
+        from dit.wan_pipeline_folders import EXPERT_FOLDERS
 
         directory = Path(directory)
         for name, folder in EXPERT_FOLDERS.items():

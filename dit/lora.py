@@ -276,7 +276,7 @@ def _experts_of(model):
 
     if not isinstance(model, ExpertPair):
         return None
-    from dit.wan_import import EXPERT_FOLDERS
+    from dit.wan_pipeline_folders import EXPERT_FOLDERS
 
     return [(name, folder, getattr(model, name)) for name, folder in EXPERT_FOLDERS.items()]
 

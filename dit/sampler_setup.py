@@ -93,7 +93,8 @@ def load_both_experts(cfg, weights: Path, lora: str | None, lora_scale: float):
     from dit import lora as lora_lib
     from dit.experts import ExpertPair
     from dit.setup import build_model, expert_of
-    from dit.wan_import import EXPERT_FOLDERS, load_pretrained
+    from dit.wan_import import load_pretrained
+    from dit.wan_pipeline_folders import EXPERT_FOLDERS
 
     if lora is not None:
         raise ValueError(
@@ -119,7 +120,8 @@ def with_other_expert(cfg, model):
     folder samples with that folder's other expert beside it (``dit.experts.ExpertPair``, switching at
     the run's boundary); any other run's model is returned as it is."""
     from dit.setup import expert_of
-    from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
+    from dit.wan_import import load_pretrained
+    from dit.wan_pipeline_folders import is_two_expert, pipeline_index
 
     expert = expert_of(cfg.model)
     if expert is None or expert[0] == "both" or not cfg.model.pretrained:
@@ -180,7 +182,8 @@ def load_pretrained_sampler(
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae, wan_vae_kind
     from dit.sample_conditioning import data_channels
-    from dit.wan_import import is_two_expert, load_pretrained, pipeline_index
+    from dit.wan_import import load_pretrained
+    from dit.wan_pipeline_folders import is_two_expert, pipeline_index
 
     path = Path(folder)
     if not path.is_dir():

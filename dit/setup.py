@@ -18,13 +18,8 @@ def model_config_of(cfg: ModelConfig) -> dict:
         return model_kwargs(cfg.size, cfg.overrides)
     import json
 
-    from dit.wan_import import (
-        OUR_CLASS,
-        WAN_TEXT_LEN,
-        pipeline_expand_timesteps,
-        transformer_folder,
-        videodit_config,
-    )
+    from dit.wan_import import OUR_CLASS, WAN_TEXT_LEN, videodit_config
+    from dit.wan_pipeline_folders import pipeline_expand_timesteps, transformer_folder
 
     expert = "high" if cfg.expert == "both" else cfg.expert  # the two experts share their shapes
     config = json.loads((transformer_folder(cfg.pretrained, expert) / "config.json").read_text())
@@ -54,7 +49,7 @@ def build_model(cfg: ModelConfig, boundary_ratio: float | None = None):
         from dit.experts import ExpertPair
 
         if cfg.pretrained:
-            from dit.wan_import import is_two_expert, pipeline_index, transformer_folder
+            from dit.wan_pipeline_folders import is_two_expert, pipeline_index, transformer_folder
 
             transformer_folder(cfg.pretrained, "high")  # a folder that is not there says so first
             if not is_two_expert(pipeline_index(cfg.pretrained)):
@@ -98,7 +93,7 @@ def expert_of(cfg: ModelConfig) -> tuple[str, float] | None:
     they disagree (training on a range the pipeline never runs the expert in)."""
     if cfg.expert is None:
         return None
-    from dit.wan_import import pipeline_index
+    from dit.wan_pipeline_folders import pipeline_index
 
     folder = pipeline_index(cfg.pretrained).get("boundary_ratio") if cfg.pretrained else None
     if folder is not None and cfg.boundary_ratio is not None and folder != cfg.boundary_ratio:

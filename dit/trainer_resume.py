@@ -27,7 +27,7 @@ def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
     if not isinstance(model, ExpertPair):
         load_weights(model, directory)
         return
-    from dit.wan_import import EXPERT_FOLDERS
+    from dit.wan_pipeline_folders import EXPERT_FOLDERS
 
     for name, folder in EXPERT_FOLDERS.items():
         if not (directory / folder).is_dir():

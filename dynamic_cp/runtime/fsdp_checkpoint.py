@@ -275,7 +275,7 @@ def _export(model, full: dict[str, torch.Tensor], directory: Path) -> None:
     if not isinstance(model, ExpertPair):
         export_pretrained(model.config, full, directory)
         return
-    from dit.wan_import import EXPERT_FOLDERS
+    from dit.wan_pipeline_folders import EXPERT_FOLDERS
 
     for name, folder in EXPERT_FOLDERS.items():
         prefix = f"{name}."
