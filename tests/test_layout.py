@@ -5,6 +5,7 @@
 - ``dit/`` never touches ``torch.distributed`` or ``dynamic_cp``: parallelism stays out of the model.
 - ``data/`` is the bottom layer: it imports neither ``dit`` nor ``dynamic_cp``.
 - No import circle in ``data/`` or ``dynamic_cp/`` (imports inside functions count too).
+- No product file (``dit/``, ``data/``, ``dynamic_cp/``, ``train.py``, ``sample.py``) over 450 lines.
 """
 
 from __future__ import annotations
@@ -119,3 +120,14 @@ def _cycle(package: str) -> list[str] | None:
 def test_no_import_circle(package):
     found = _cycle(package)
     assert found is None, f"import circle in {package}/: {' -> '.join(found)}"
+
+
+MAX_LINES = 450  # a file past this mixes jobs: split it where the jobs split (CONTRIBUTING.md)
+
+
+def test_no_product_file_over_450_lines():
+    product = [*_files("dit"), *_files("data"), *_files("dynamic_cp"), ROOT / "train.py", ROOT / "sample.py"]
+    long = {
+        str(p.relative_to(ROOT)): n for p in product if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these where their jobs split: {long}"
