@@ -214,6 +214,12 @@ class ParallelConfig:
     # rank); start-up, the first step, validation, samples and checkpoints get 3x (torchtitan's
     # 100 s / 300 s). On NCCL each rank then dumps its flight-recorder trace (docs/runtime.md)
     timeout_s: float = 100.0
+    # pipeline stages (docs/runtime.md "Pipeline stages"): the world is pp_size x R ranks, the blocks
+    # split into pp_size contiguous stages (embedders on the first, the head on the last), and every
+    # stage runs the one Dynamic-CP plan of its R ranks
+    pp_size: int = 1
+    pp_layers: list | None = None  # blocks per stage, e.g. [21, 19]; None = balanced by the cost model
+    pp_schedule: str = "1f1b"  # '1f1b' (one forward, one backward) or 'gpipe' (all forwards first)
 
     def __post_init__(self):
         if not self.timeout_s > 0:
@@ -240,6 +246,24 @@ class ParallelConfig:
             raise ValueError(f"parallel.refit_every={self.refit_every} must be >= 1 (steps between refits)")
         if not 0 <= self.explore_budget <= 1:
             raise ValueError(f"parallel.explore_budget={self.explore_budget} must be in [0, 1]")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp_size < 1:
+            raise ValueError(f"parallel.pp_size={self.pp_size} must be >= 1 (1: no pipeline)")
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r}; use '1f1b' or 'gpipe'")
+        if self.pp_size > 1 and self.mode == "none":
+            raise ValueError(
+                f"parallel.pp_size={self.pp_size} runs stages on the ranks of the distributed runtime; "
+                "set parallel.mode=static or dynamic and launch with torchrun"
+            )
+        if self.pp_layers is not None:
+            if len(self.pp_layers) != self.pp_size or any(int(n) < 1 for n in self.pp_layers):
+                raise ValueError(
+                    f"parallel.pp_layers={self.pp_layers} must list pp_size={self.pp_size} block "
+                    "counts of at least 1 each (or null to balance them by the cost model)"
+                )
 
 
 @dataclass

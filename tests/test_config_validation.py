@@ -3,6 +3,8 @@ one, the message naming the field), the documented defaults, and the loader's ty
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dit.config import Config, TrainConfig, from_dict, load_config, to_dict
@@ -209,3 +211,20 @@ def test_config_files_are_checked(tmp_path):
         load_config(str(tmp_path / "run.yaml"), ["train.max_steps=9"]).train.max_steps == 9
     )  # overrides last
     assert load_config(tmp_path / "run.yaml").train.max_steps == 7
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.pp_size=0"], "pp_size=0 must be >= 1"),
+        (["parallel.pp_size=2"], "set parallel.mode=static or dynamic"),
+        (["parallel.mode=dynamic", "parallel.pp_size=2", "parallel.pp_layers=[2]"], "must list pp_size=2"),
+        (["parallel.mode=dynamic", "parallel.pp_size=2", "parallel.pp_layers=[2,0]"], "at least 1 each"),
+        (["parallel.pp_schedule=zb"], "use '1f1b' or 'gpipe'"),
+    ],
+)
+def test_pipeline_settings_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, overrides)
+    cfg = load_config(None, ["parallel.mode=dynamic", "parallel.pp_size=2", "parallel.pp_layers=[1,1]"])
+    assert (cfg.parallel.pp_size, cfg.parallel.pp_layers, cfg.parallel.pp_schedule) == (2, [1, 1], "1f1b")
