@@ -115,6 +115,7 @@ TARGETS: dict[str, list[str]] = {
     ],
     "dynamic_cp/planning/sampling_planner.py": ["tests/test_sampling_planner.py"],
     "dynamic_cp/planning/pipeline_stages.py": ["tests/test_pipeline_stages.py"],
+    "dynamic_cp/planning/pipeline_schedule.py": ["tests/test_pipeline_schedule.py"],
     "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [
         "tests/test_config_validation.py",
