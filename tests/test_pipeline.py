@@ -142,7 +142,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("world_size", [4, 6, 3])
 def test_pipeline_equals_one_process(world_size, reference, tmp_path):
-    out = run_gloo(worker, world_size, str(tmp_path), timeout_s=400)
+    out = run_gloo(worker, world_size, str(tmp_path), timeout_s=180)
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
     ref_steps, ref_params = reference
