@@ -172,3 +172,55 @@ def test_pipeline_equals_one_process(world_size, reference, tmp_path):
                 rtol=4 * U * STEPS,
                 msg=lambda m, pname=pname, where=where: f"{where}: {pname}: {m}",
             )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# Two steps at PP 2 x 2 (W=4) write a stage checkpoint at step 2; step 3 resumes it at PP 3 x 1 (W=3)
+# and without a pipeline (W=2, pp_size 1): each ends with the single-process weights of 3 steps,
+# within the same bound (only the order of fp32 sums differs). The step-0 validation runs through
+# the stages (PipelineEval) and must be finite on rank 0.
+
+
+def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None) -> dict:
+    try:
+        base = trainer_class(load_config(CONFIG, overrides(out, **items)), dist.group.WORLD)
+
+        class Perturbed(base):
+            def _shard_model(self) -> None:
+                if resume is None:
+                    perturb(self.model)
+                super()._shard_model()
+
+        cfg = load_config(CONFIG, overrides(out, **items))
+        trainer = Perturbed(cfg, dist.group.WORLD, resume=resume)
+        trainer.train()
+        params = {n: _full(p) for n, p in trainer.model.named_parameters()}
+        return {"params": params if trainer.plan_rank == 0 else {}, "step": trainer.step}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
+    first = {"parallel.pp_size": 2, "train.max_steps": 2, "train.checkpoint_every": 2}
+    out = run_gloo(_train, 4, str(tmp_path / "pp2"), first, None, timeout_s=180)
+    assert all("error" not in r for r in out), [r.get("error") for r in out]
+    step_dir = tmp_path / "pp2" / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
+    _, ref_params = reference
+    for world_size, pp in ((2, 1), (3, 3)):
+        then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 96 if pp == 1 else 200}
+        res = run_gloo(_train, world_size, str(tmp_path / f"pp{pp}"), then, str(step_dir), timeout_s=180)
+        assert all("error" not in r for r in res), [r.get("error") for r in res]
+        params = {}
+        for r in res:
+            assert r["step"] == 3
+            params.update(r["params"])
+        assert params.keys() == ref_params.keys()
+        for name, p in ref_params.items():
+            torch.testing.assert_close(
+                params[name],
+                p,
+                atol=2 * ETA * STEPS * LR,
+                rtol=4 * U * STEPS,
+                msg=lambda m, name=name, pp=pp: f"resumed at pp_size={pp}: {name}: {m}",
+            )

@@ -53,6 +53,11 @@ from dynamic_cp.runtime.pipeline import (
     clip_over_stages,
     run_pipeline,
 )
+from dynamic_cp.runtime.pipeline_checkpoint import (
+    is_pipeline_checkpoint,
+    resume_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 from dynamic_cp.runtime.step_plans import cp_sizes_of
 from dynamic_cp.runtime.step_stats import StepTimeline
 from dynamic_cp.runtime.timeouts import STARTUP_FACTOR, describe_timeout, set_collective_timeout
@@ -173,10 +178,23 @@ class DistributedTrainer(Trainer):
         parts = self.optimizer.parts.values() if self.both else [self.optimizer]
         return [opt for opt in parts if isinstance(opt, ZeroRedundancyOptimizer)]
 
+    def _resume(self, path: str) -> None:
+        step_dir = resolve_checkpoint(path)
+        if is_pipeline_checkpoint(step_dir):  # any pp_size reads a stage checkpoint
+            return resume_pipeline_checkpoint(self, step_dir)
+        if self.pipeline is not None:
+            raise ValueError(
+                f"{step_dir} was written without pipeline stages; resume it with parallel.pp_size=1, or start "
+                f"a pipeline run from its weights with model.pretrained={step_dir / 'model'}"
+            )
+        super()._resume(path)
+
     def checkpoint_extras(self) -> dict[str, str]:
         return {STATE_FILE: json.dumps(self.learner.state_dict())}
 
     def save(self):
+        if self.pipeline is not None:  # each stage writes its blocks (pipeline_checkpoint.py)
+            return save_pipeline_checkpoint(self)
         sharded = self._zero_parts()
         for opt in sharded:
             opt.consolidate_state_dict(to=0)  # collective: every rank sends its moments

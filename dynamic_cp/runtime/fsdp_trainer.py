@@ -49,6 +49,11 @@ class FSDPTrainer(DistributedTrainer):
                 f"parallel.fsdp={cfg.parallel.fsdp} resolves to 'none' here; use DistributedTrainer "
                 "(dynamic_cp.runtime.distributed_trainer.trainer_class picks the right one)"
             )
+        if cfg.parallel.pp_size > 1 and resume is not None:
+            raise ValueError(
+                f"parallel.fsdp={self.fsdp_mode} with parallel.pp_size={cfg.parallel.pp_size} writes no "
+                "checkpoint yet; resume with parallel.fsdp=none (stage checkpoints), or pp_size=1"
+            )
         super().__init__(cfg, world, resume=resume, device=device)
         if cfg.train.async_checkpoint:  # DCP's async_save, in place of the replicated background writer
             self._background = AsyncFSDPCheckpointer(self.world, self.device)
@@ -210,6 +215,11 @@ class FSDPTrainer(DistributedTrainer):
     # ----------------------------------------------------------------------------- checkpoints
 
     def save(self):
+        if self.pipeline is not None:
+            raise ValueError(
+                f"parallel.fsdp={self.fsdp_mode} with parallel.pp_size={self.cfg.parallel.pp_size}: stage "
+                "checkpoints of sharded weights are not written yet; use parallel.fsdp=none under pipeline stages"
+            )
         state = {"lr_schedule": self.lr_schedule.state_dict(), "bad_steps": self.bad_steps}
         args = (self.out / "checkpoints", self.step, self.model, self._optimizers(), self.ema, state)
         rest = (to_dict(self.cfg), self.cfg.train.keep_checkpoints)
