@@ -204,6 +204,16 @@ def micro_batch_loss(
     ``token_range`` (start, end) restricts the computation to that slice of the packed sequence, which
     is what one rank of a CP group holds; ``attention`` must then be that group's CP attention.
     """
+    args, extra, target, weights = micro_batch_inputs(model, clips, num_clips_global, token_range)
+    return flow_loss(model(*args, attention, **extra), target, weights)
+
+
+def micro_batch_inputs(
+    model, clips: list[TrainClip], num_clips_global: int, token_range: tuple[int, int] | None = None
+) -> tuple[tuple, dict, torch.Tensor, torch.Tensor]:
+    """(the model's positional inputs before ``attention``, its keyword inputs, the target velocity,
+    the loss weights) of ``clips`` packed (and cut to ``token_range``): ``micro_batch_loss`` without
+    the model call, for callers that run the model in pieces (pipeline stages, ``dit/stages.py``)."""
     seq_lens = torch.tensor([c.num_tokens for c in clips])
     sigmas = torch.tensor([c.sigma for c in clips])
     x0 = torch.cat([c.x0 for c in clips])  # (n, p)
@@ -236,11 +246,10 @@ def micro_batch_loss(
     text = torch.cat([c.text for c in clips])
     text_lens = torch.tensor([c.text.shape[0] for c in clips])
     timesteps = model_timesteps(sigmas).to(x0.device)  # (b,)
-    pred = model(x_t, positions, local_lens, timesteps, text, text_lens, attention, **extra)
     weights = clip_token_weights(local_lens, loss_lens, num_clips_global).to(x0.device)
     if clean is not None:
         weights = weights.masked_fill(clean, 0.0)
-    return flow_loss(pred, noise - x0, weights)
+    return (x_t, positions, local_lens, timesteps, text, text_lens), extra, noise - x0, weights
 
 
 def validation_clips(samples: list[dict], encoder, patch, flow, sigmas) -> list[list[TrainClip]]:

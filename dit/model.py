@@ -30,6 +30,7 @@ d = head dim.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -68,6 +69,24 @@ def pad_text(text: torch.Tensor, text_lens: torch.Tensor, length: int) -> tuple[
     padded = text.new_zeros(lens.numel() * length, text.shape[1])
     padded[clip * length + within] = text
     return padded, torch.full_like(text_lens, length)
+
+
+@dataclass
+class BlockInputs:
+    """One micro-batch's inputs of every block besides x (and the head's ``temb``). The first five
+    follow from the micro-batch alone (``VideoDiT.frame``); the embedded four carry gradients back
+    to the embedders (``VideoDiT.embed``), and are what a pipeline stage hands the next one."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (n, 1, d)
+    seq_lens: torch.Tensor  # (b,)
+    cu_seqlens: torch.Tensor  # (b+1,)
+    text_cu_seqlens: torch.Tensor  # (b+1,)
+    image_cu_seqlens: torch.Tensor | None  # (b+1,), image-conditioned models only
+    rows: torch.Tensor | None  # (n,) row of temb/modulation per token (per-token timesteps)
+    context: torch.Tensor | None = None  # (l, D) embedded text
+    modulation: torch.Tensor | None = None  # (u, 6, D) shared time projection
+    temb: torch.Tensor | None = None  # (u, D) time embedding
+    image_context: torch.Tensor | None = None  # (b*m, D) embedded image tokens
 
 
 def checkpoint_block(block: nn.Module, *args) -> torch.Tensor:
@@ -179,50 +198,108 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         attention: AttentionFn,
         image: torch.Tensor | None = None,  # (b, m, image_dim) CLIP tokens per clip (image_dim models)
         token_timesteps: torch.Tensor | None = None,  # (n,) in [0, 1000]: each token's own (TI2V)
+        stage=None,  # a pipeline stage's part (dit/stages.py StagePart): run that part instead
     ) -> torch.Tensor:
         """Returns the predicted velocity for each token, (n, p_out).
 
         ``token_timesteps`` replaces ``timesteps`` for the modulation of every token (diffusers'
-        (batch, seq_len) timestep of Wan2.2 TI2V); None keeps one timestep per clip."""
-        ce = self.condition_embedder
+        (batch, seq_len) timestep of Wan2.2 TI2V); None keeps one timestep per clip.
+
+        The three parts (``embed``, ``run_blocks``, ``head``) are what a pipeline stage runs a piece
+        of: with ``stage`` the call returns ``stage(self, ...)``'s (output, block inputs). It goes
+        through this forward so that wrappers' hooks on it (FSDP2's root unit) still run."""
+        if stage is not None:
+            args = (tokens, positions, seq_lens, timesteps, text, text_lens)
+            return stage(self, args, attention, {"image": image, "token_timesteps": token_timesteps})
+        x, inputs = self.embed(
+            tokens, positions, seq_lens, timesteps, text, text_lens, image, token_timesteps
+        )
+        return self.head(self.run_blocks(x, inputs, attention), inputs)
+
+    def frame(
+        self,
+        positions: torch.Tensor,  # (n, 3)
+        seq_lens: torch.Tensor,  # (b,)
+        timesteps: torch.Tensor,  # (b,)
+        text_lens: torch.Tensor,  # (b,)
+        image: torch.Tensor | None = None,  # (b, m, image_dim)
+        token_timesteps: torch.Tensor | None = None,  # (n,)
+    ) -> tuple[BlockInputs, torch.Tensor]:
+        """The block inputs that carry no gradient, from the micro-batch alone (no weight is read,
+        so every pipeline stage computes them itself), and the timesteps to embed: (u,), one per row
+        of the modulation (u = b, or the distinct values of ``token_timesteps``)."""
         rows = None  # (n,) row of temb/modulation per token when timesteps are per token
         if token_timesteps is not None:
-            if token_timesteps.shape != (tokens.shape[0],):
+            if token_timesteps.shape != (positions.shape[0],):
                 raise ValueError(
-                    f"token_timesteps has shape {tuple(token_timesteps.shape)}, expected ({tokens.shape[0]},): "
+                    f"token_timesteps has shape {tuple(token_timesteps.shape)}, expected ({positions.shape[0]},): "
                     "one timestep per token held here"
                 )
             # one embedding per distinct value (1-2 per clip), gathered per token in each block
             timesteps, rows = torch.unique(token_timesteps.float(), return_inverse=True)  # (u,), (n,)
-        t_freq = ce.timesteps_proj(timesteps.float())  # (b, freq_dim)
-        temb = ce.time_embedder(t_freq.to(ce.time_embedder.linear_1.weight.dtype)).type_as(tokens)  # (b, D)
-        modulation = ce.time_proj(F.silu(temb)).unflatten(1, (6, -1))  # (b, 6, D)
         if self.config.text_pad_len is not None:  # Wan's zero-padded captions (see pad_text)
-            text, text_lens = pad_text(text, text_lens, self.config.text_pad_len)  # (b*L, text_dim)
-        context = ce.text_embedder(text.to(tokens.dtype))  # (l, D)
-        text_cu_seqlens = cu_seqlens_from_lengths(text_lens)
-        cu_seqlens = cu_seqlens_from_lengths(seq_lens)
-        rope = self.rope(positions)
-        image_context, image_cu_seqlens = self.embed_image(image, seq_lens.shape[0], tokens.dtype)
+            text_lens = torch.full_like(text_lens, self.config.text_pad_len)
+        image_cu_seqlens = None
+        if image is not None and self.config.image_dim is not None:
+            per_clip = self.config.pos_embed_seq_len or image.shape[1]
+            image_cu_seqlens = cu_seqlens_from_lengths([per_clip] * seq_lens.shape[0])
+        cu_seqlens, text_cu_seqlens = cu_seqlens_from_lengths(seq_lens), cu_seqlens_from_lengths(text_lens)
+        inputs = BlockInputs(
+            self.rope(positions), seq_lens, cu_seqlens, text_cu_seqlens, image_cu_seqlens, rows
+        )
+        return inputs, timesteps
 
-        x = self.patch_embedding(tokens)  # (n, D)
-        for block in self.blocks:
-            args = (x, context, modulation, rope, seq_lens, cu_seqlens, text_cu_seqlens, attention)
-            args += (image_context, image_cu_seqlens)
-            if rows is not None:  # absent otherwise: the block's call (and compiled graph) stays as it was
-                args += (rows,)
+    def embed(
+        self,
+        tokens: torch.Tensor,  # (n, p)
+        positions: torch.Tensor,  # (n, 3)
+        seq_lens: torch.Tensor,  # (b,)
+        timesteps: torch.Tensor,  # (b,)
+        text: torch.Tensor,  # (l, text_dim)
+        text_lens: torch.Tensor,  # (b,)
+        image: torch.Tensor | None = None,
+        token_timesteps: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, BlockInputs]:
+        """The first block's input x (n, D) and every block's other inputs, embedded."""
+        ce = self.condition_embedder
+        inputs, timesteps = self.frame(positions, seq_lens, timesteps, text_lens, image, token_timesteps)
+        t_freq = ce.timesteps_proj(timesteps.float())  # (u, freq_dim)
+        temb = ce.time_embedder(t_freq.to(ce.time_embedder.linear_1.weight.dtype)).type_as(tokens)  # (u, D)
+        inputs.temb = temb
+        inputs.modulation = ce.time_proj(F.silu(temb)).unflatten(1, (6, -1))  # (u, 6, D)
+        if self.config.text_pad_len is not None:  # Wan's zero-padded captions (see pad_text)
+            text, _ = pad_text(text, text_lens, self.config.text_pad_len)  # (b*L, text_dim)
+        inputs.context = ce.text_embedder(text.to(tokens.dtype))  # (l, D)
+        inputs.image_context, _ = self.embed_image(image, seq_lens.shape[0], tokens.dtype)
+        return self.patch_embedding(tokens), inputs  # (n, D)
+
+    def run_blocks(
+        self, x: torch.Tensor, inputs: BlockInputs, attention: AttentionFn, layers: range | None = None
+    ) -> torch.Tensor:
+        """x (n, D) through blocks ``layers`` (default: all of them) -> (n, D)."""
+        for i in range(len(self.blocks)) if layers is None else layers:
+            block = self.blocks[i]
+            args = (x, inputs.context, inputs.modulation, inputs.rope, inputs.seq_lens, inputs.cu_seqlens)
+            args += (inputs.text_cu_seqlens, attention, inputs.image_context, inputs.image_cu_seqlens)
+            if (
+                inputs.rows is not None
+            ):  # absent otherwise: the block's call (and compiled graph) stays as it was
+                args += (inputs.rows,)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = self.checkpoint_fn(block, *args)
             else:
                 x = block(*args)
+        return x
 
-        shift, scale = (self.scale_shift_table + temb[:, None, :]).unbind(1)  # (b, D) each
-        if rows is None:
-            shift, scale = per_token(shift, seq_lens), per_token(scale, seq_lens)
+    def head(self, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        """The last block's output (n, D) -> the predicted velocity (n, pt*ph*pw*c)."""
+        shift, scale = (self.scale_shift_table + inputs.temb[:, None, :]).unbind(1)  # (b, D) each
+        if inputs.rows is None:
+            shift, scale = per_token(shift, inputs.seq_lens), per_token(scale, inputs.seq_lens)
         else:
-            shift, scale = shift.index_select(0, rows), scale.index_select(0, rows)  # (n, D)
+            shift, scale = shift.index_select(0, inputs.rows), scale.index_select(0, inputs.rows)  # (n, D)
         x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-        return self.proj_out(x)  # (n, pt*ph*pw*c)
+        return self.proj_out(x)
 
     def embed_image(
         self, image: torch.Tensor | None, num_clips: int, dtype: torch.dtype

@@ -312,13 +312,15 @@ class Trainer:
             for group in pack_by_token_budget(
                 [c.num_tokens for c in clips], self.cfg.train.micro_batch_tokens
             ):
-                mb = [clips[i] for i in group]
-                with self.autocast():
-                    loss = micro_batch_loss(
-                        self.model, mb, PackedAttention([c.num_tokens for c in mb]), len(clips)
-                    )
-                losses.append(loss.item())
+                losses.append(self._eval_loss([clips[i] for i in group], len(clips)))
         return sum(losses) / len(self.val_sigmas)
+
+    def _eval_loss(self, mb: list[TrainClip], num_clips: int) -> float:
+        """One validation micro-batch's loss (pipeline stages run their part of it instead)."""
+        with self.autocast():
+            return micro_batch_loss(
+                self.model, mb, PackedAttention([c.num_tokens for c in mb]), num_clips
+            ).item()
 
     # ----------------------------------------------------------------------------- samples and export
 

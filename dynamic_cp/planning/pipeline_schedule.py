@@ -14,7 +14,9 @@ from __future__ import annotations
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def stage_ops(num_micro_batches: int, pp_size: int, stage: int, schedule: str = "1f1b") -> list[tuple[str, int]]:
+def stage_ops(
+    num_micro_batches: int, pp_size: int, stage: int, schedule: str = "1f1b"
+) -> list[tuple[str, int]]:
     """Stage ``stage``'s ops in execution order.
 
     gpipe: every forward, then every backward (the most activations in flight: all of them).

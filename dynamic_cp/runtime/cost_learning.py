@@ -388,7 +388,8 @@ def build_learner(
     from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, cp_sizes_of, make_plan_fn
 
     p = cfg.parallel
-    world_size = world.size() if world is not None else 1
+    # the plan's world: the ranks of one pipeline stage (all of them without a pipeline)
+    world_size = (world.size() if world is not None else 1) // p.pp_size
     saved = resume_dir / STATE_FILE if resume_dir is not None else None
     hw = None
     if p.hardware == "auto":

@@ -38,13 +38,26 @@ from dit.checkpoint import kill_point_for_tests, resolve_checkpoint
 from dit.clips import micro_batch_loss
 from dit.config import Config
 from dit.optim import optimizer_class, optimizer_kwargs
-from dit.setup import clip_tokens, vae_stride
+from dit.setup import clip_tokens, model_config_of, vae_stride
 from dit.trainer import Trainer
 from dynamic_cp.attention.comm_clock import CommClock
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.runtime.cost_learning import STATE_FILE, build_learner, write_timeline
 from dynamic_cp.runtime.groups import build_cp_groups
 from dynamic_cp.runtime.iterator import DynamicCPBatches, StepBatch
+from dynamic_cp.runtime.pipeline import (
+    PipelineEval,
+    PipelineTimeline,
+    all_reduce_stage_grads,
+    build_pipeline,
+    clip_over_stages,
+    run_pipeline,
+)
+from dynamic_cp.runtime.pipeline_checkpoint import (
+    is_pipeline_checkpoint,
+    resume_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 from dynamic_cp.runtime.step_plans import cp_sizes_of
 from dynamic_cp.runtime.step_stats import StepTimeline
 from dynamic_cp.runtime.timeouts import STARTUP_FACTOR, describe_timeout, set_collective_timeout
@@ -95,6 +108,14 @@ class DistributedTrainer(Trainer):
                     "trainer_class(cfg, world) (FSDPTrainer), or set parallel.fsdp=none"
                 )
         self.is_main = self.rank == 0
+        # parallel.pp_size > 1: this rank's stage (dynamic_cp/runtime/pipeline.py); the plan, the
+        # data flow, gradients and ZeRO-1 then live on the stage's ranks, the plan's world
+        self.pipeline = build_pipeline(cfg, world, model_config_of(cfg.model)["num_layers"])
+        pipe = self.pipeline
+        self.plan_size, self.plan_rank = (
+            (pipe.plan_size, pipe.plan_rank) if pipe else (self.world_size, self.rank)
+        )
+        self.grad_group = pipe.stage_group if pipe else world
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
         for opt in self._zero_parts():
@@ -110,7 +131,8 @@ class DistributedTrainer(Trainer):
         self.cost_model = self.learner.prior
         # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
         splits = self.cost_model.cp_layout if cfg.parallel.cp_method == "auto" else None
-        self.groups = build_cp_groups(world, cp_sizes_of(cfg, self.world_size), splits)
+        pp = cfg.parallel.pp_size
+        self.groups = build_cp_groups(world, cp_sizes_of(cfg, self.plan_size), splits, pp)
         self.plan_fn = self.learner.plan
         self._overhead_s: list[float] = []  # measured step minus compute window, recent steps
         self.stride = vae_stride(cfg.data)
@@ -134,15 +156,19 @@ class DistributedTrainer(Trainer):
         if self.is_main:
             super().log(record)
 
+    def _shard_model(self) -> None:
+        if self.pipeline is not None:  # the whole model was built and seeded: keep this stage's part
+            self.pipeline.keep(self.model)
+
     def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if not self.cfg.parallel.shard_optimizer or self.world_size == 1:
+        if not self.cfg.parallel.shard_optimizer or self.plan_size == 1:
             return super()._optimizer_over(params)
         # Per-parameter broadcasts, not bucket views: views into one buffer share storage, which
         # safetensors refuses to save.
         return ZeroRedundancyOptimizer(
             params,
             optimizer_class=optimizer_class(self.cfg.train),
-            process_group=self.world,
+            process_group=self.grad_group,
             parameters_as_bucket_view=False,
             **optimizer_kwargs(self.cfg.train),
         )
@@ -152,10 +178,23 @@ class DistributedTrainer(Trainer):
         parts = self.optimizer.parts.values() if self.both else [self.optimizer]
         return [opt for opt in parts if isinstance(opt, ZeroRedundancyOptimizer)]
 
+    def _resume(self, path: str) -> None:
+        step_dir = resolve_checkpoint(path)
+        if is_pipeline_checkpoint(step_dir):  # any pp_size reads a stage checkpoint
+            return resume_pipeline_checkpoint(self, step_dir)
+        if self.pipeline is not None:
+            raise ValueError(
+                f"{step_dir} was written without pipeline stages; resume it with parallel.pp_size=1, or start "
+                f"a pipeline run from its weights with model.pretrained={step_dir / 'model'}"
+            )
+        super()._resume(path)
+
     def checkpoint_extras(self) -> dict[str, str]:
         return {STATE_FILE: json.dumps(self.learner.state_dict())}
 
     def save(self):
+        if self.pipeline is not None:  # each stage writes its blocks (pipeline_checkpoint.py)
+            return save_pipeline_checkpoint(self)
         sharded = self._zero_parts()
         for opt in sharded:
             opt.consolidate_state_dict(to=0)  # collective: every rank sends its moments
@@ -184,7 +223,7 @@ class DistributedTrainer(Trainer):
             global_batch_size=c.train.global_batch_size,
             data_seed=c.data.seed,
             start_step=self.step,
-            world=self.world,
+            world=self.grad_group,  # every stage runs the same data flow over its own ranks
             token_fn=lambda i: clip_tokens(self.train_set.meta(i), self.patch, self.stride),
             prepare_fn=lambda sample, step: self.prepare([sample], step)[0],
             plan_fn=self.plan_fn,
@@ -211,7 +250,9 @@ class DistributedTrainer(Trainer):
         """This rank's micro-batches in plan order, one all-reduce, then the optimizer step."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        timeline = StepTimeline(batch.plan, self.rank)
+        pipe = self.pipeline
+        timeline = PipelineTimeline(batch.plan, self.plan_rank, pipe.stage, pipe.pp_size) if pipe else None
+        timeline = timeline or StepTimeline(batch.plan, self.rank)
         self._sync()
         t0 = time.perf_counter()
         local_loss = self._run_plan(batch, timeline, t0)
@@ -220,6 +261,7 @@ class DistributedTrainer(Trainer):
         # Broken files found while loading: each rank sees only its share of the clips, so the
         # max_failure_share check needs the world's count (it rides in the same all-reduce).
         local_failed = float(len(failures.failed) - self._build_failures) if failures is not None else 0.0
+        local_failed *= pipe is None or pipe.first  # every stage loads the same clips: count them once
         extra = torch.cat([torch.tensor([local_failed], dtype=torch.float64), timeline.local().double()])
         total_loss, reduced = self._all_reduce(local_loss, extra)
         if failures is not None:
@@ -253,6 +295,8 @@ class DistributedTrainer(Trainer):
     def _run_plan(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
         """Forward and backward of this rank's micro-batches in plan order; -> the sum of their losses.
         (FSDP modes replace this with their own schedules: ``dynamic_cp/runtime/fsdp_trainer.py``.)"""
+        if self.pipeline is not None:
+            return run_pipeline(self, batch, timeline, t0)
         local_loss = 0.0
         for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
             local_loss += self._timed_micro_batch(batch, timeline, t0, m, ranks, clips)
@@ -310,6 +354,13 @@ class DistributedTrainer(Trainer):
         skips it (no weight decay, no moment decay) instead of stepping on a zero gradient.
         """
         params = self.trainable_parameters()
+        if self.pipeline is not None:  # each stage's over its ranks; loss and extra over the world
+            all_reduce_stage_grads(params, self.grad_group)
+            flat = torch.cat([torch.tensor([local_loss], dtype=torch.float64), extra.double()]).to(
+                self.device
+            )
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
+            return float(flat[0]), flat[1:]
         parts = [
             p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params
         ]
@@ -330,6 +381,11 @@ class DistributedTrainer(Trainer):
         offset += len(params)
         return float(flat[offset]), flat[offset + 1 :]
 
+    def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        if self.pipeline is not None:  # the norm of the whole model's gradients, over all stages
+            return clip_over_stages(self.pipeline, params, max_norm)
+        return super()._clip(params, max_norm)
+
     # ----------------------------------------------------------------------------- loop
 
     # Replicas are identical: only the rank that logs evaluates (the others wait in the next step's
@@ -338,7 +394,21 @@ class DistributedTrainer(Trainer):
 
     @torch.no_grad()
     def validation_loss(self) -> float:
-        return super().validation_loss() if self.is_main or self.validates_on_every_rank else float("nan")
+        if self.pipeline is None:
+            return super().validation_loss() if self.is_main or self.validates_on_every_rank else float("nan")
+        # each stage's plan rank 0 (every rank when weights are sharded) runs its part
+        if self.plan_rank != 0 and not self.validates_on_every_rank:
+            return float("nan")
+        self._pipeline_eval = PipelineEval(self)
+        try:
+            return self._pipeline_eval.finish(super().validation_loss())
+        finally:
+            self._pipeline_eval = None
+
+    def _eval_loss(self, mb, num_clips: int) -> float:
+        if self.pipeline is None:
+            return super()._eval_loss(mb, num_clips)
+        return self._pipeline_eval.loss(mb, num_clips)
 
     def run_step(self, batch: StepBatch) -> tuple[dict, list[int]]:
         self._doing = f"step {self.step + 1}"

@@ -43,6 +43,7 @@ Between steps (validation, checkpoints) every rank runs the same forwards and st
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -51,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from dit.stages import held_blocks
 from dit.trainer import autocast_dtype
 from dynamic_cp.planning.memory import FSDP_MODES
 
@@ -137,7 +139,7 @@ def apply_fsdp(
     """Shard ``model`` (a ``VideoDiT``) in place over ``world``: each block a unit, then the root."""
     mesh = DeviceMesh.from_group(world, device.type)
     policy = mixed_precision_policy(device, mixed_precision)
-    for block in model.blocks:
+    for block in held_blocks(model):  # a pipeline stage holds some of them (dit/stages.py)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for unit in fsdp_units(model):
@@ -153,7 +155,7 @@ def apply_fsdp(
 
 def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
     """The root, then block 0 .. B-1: the order of the explicit gathers of ``per_step``."""
-    return [model, *model.blocks]
+    return [model, *held_blocks(model)]
 
 
 def configure(
@@ -186,12 +188,13 @@ def release_weights(model: torch.nn.Module) -> None:
         unit.reshard()
 
 
-def empty_micro_batch_loss(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+def empty_micro_batch_loss(model: torch.nn.Module, device: torch.device, stage=None) -> torch.Tensor:
     """A zero-token forward through every block: the loss (0, with a graph to every unit) of a rank
     that has no micro-batch in a round. One clip of zero tokens and no text; every matmul runs on
-    (0, ·) rows, so each FSDP unit still gathers in forward and reduce-scatters in backward."""
+    (0, ·) rows, so each FSDP unit still gathers in forward and reduce-scatters in backward.
+    ``stage``: (args, extra) -> a pipeline stage's ``StagePart`` for them (its blocks alone)."""
     cfg = model.config
-    tokens = torch.zeros(0, model.patch_embedding.in_features, device=device)  # (0, p)
+    tokens = torch.zeros(0, cfg.in_channels * math.prod(cfg.patch_size), device=device)  # (0, p)
     positions = torch.zeros(0, 3, dtype=torch.long, device=device)  # (0, 3)
     one = torch.zeros(1, dtype=torch.long)
     text = torch.zeros(0, cfg.text_dim, device=device)  # (0, text_dim)
@@ -203,17 +206,25 @@ def empty_micro_batch_loss(model: torch.nn.Module, device: torch.device) -> torc
     if cfg.get("image_dim") is not None:  # an image-conditioned model: one clip's CLIP tokens of zeros
         m = cfg.get("pos_embed_seq_len") or 1
         extra["image"] = torch.zeros(1, m, cfg.image_dim, device=device)  # (1, m, image_dim)
-    pred = model(tokens, positions, one, torch.zeros(1, device=device), text, one, no_attention, **extra)
+    args = (tokens, positions, one, torch.zeros(1, device=device), text, one)
+    if stage is not None:
+        pred, _ = model(*args, no_attention, **extra, stage=stage(args, extra))  # (0, p_out) or (0, D)
+    else:
+        pred = model(*args, no_attention, **extra)
     return pred.float().sum()  # (0, p_out) -> 0.0
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of ``params``' gradients, plain or sharded (DTensor): the total norm of DTensor
+    shards is a partial sum that ``full_tensor`` all-reduces over their mesh."""
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type=2.0)
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip sharded (DTensor) gradients to ``max_norm`` by their global norm; -> that norm (a plain
-    tensor). The total norm of DTensor shards is a partial sum that ``full_tensor`` all-reduces."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    tensor)."""
+    total = grad_norm(params)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 

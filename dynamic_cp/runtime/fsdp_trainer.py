@@ -49,6 +49,11 @@ class FSDPTrainer(DistributedTrainer):
                 f"parallel.fsdp={cfg.parallel.fsdp} resolves to 'none' here; use DistributedTrainer "
                 "(dynamic_cp.runtime.distributed_trainer.trainer_class picks the right one)"
             )
+        if cfg.parallel.pp_size > 1 and resume is not None:
+            raise ValueError(
+                f"parallel.fsdp={self.fsdp_mode} with parallel.pp_size={cfg.parallel.pp_size} writes no "
+                "checkpoint yet; resume with parallel.fsdp=none (stage checkpoints), or pp_size=1"
+            )
         super().__init__(cfg, world, resume=resume, device=device)
         if cfg.train.async_checkpoint:  # DCP's async_save, in place of the replicated background writer
             self._background = AsyncFSDPCheckpointer(self.world, self.device)
@@ -58,8 +63,9 @@ class FSDPTrainer(DistributedTrainer):
     def _shard_model(self) -> None:
         # model.expert=both: each expert is sharded on its own (its own FSDP roots and units), so one
         # expert's collectives run without the other's, and an idle expert issues none
+        super()._shard_model()  # a pipeline stage keeps its part first; its ranks are the FSDP mesh
         for dit in self._dits():
-            apply_fsdp(dit, self.world, self.device, self.cfg.train.mixed_precision)
+            apply_fsdp(dit, self.grad_group, self.device, self.cfg.train.mixed_precision)
 
     def _dits(self, names=None) -> list[torch.nn.Module]:
         """The sharded VideoDiTs: the model, or under model.expert=both the experts (of ``names``)."""
@@ -75,6 +81,8 @@ class FSDPTrainer(DistributedTrainer):
         return ShardedEMA(self.model, self.cfg.train.ema_decay)
 
     def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        if self.pipeline is not None:
+            return super()._clip(params, max_norm)  # the norm over all stages
         return grad_norm_and_clip(params, max_norm)
 
     # ----------------------------------------------------------------------------- one step
@@ -85,8 +93,15 @@ class FSDPTrainer(DistributedTrainer):
         return self._run_per_layer(batch, timeline, t0)
 
     def _empty_micro_batch(self, dit: torch.nn.Module | None = None) -> None:
+        part = self.pipeline.part if self.pipeline is not None else None
+        if part is not None:  # a stage's blocks alone, from zero-token inputs of what it receives
+            from dynamic_cp.runtime.pipeline import empty_received
+
+            stage = lambda args, extra: part(empty_received(self, args, extra))  # noqa: E731
         with self.autocast():
-            loss = empty_micro_batch_loss(self.model if dit is None else dit, self.device)
+            loss = empty_micro_batch_loss(
+                self.model if dit is None else dit, self.device, stage if part else None
+            )
         loss.backward()
 
     def _experts_run(self, plan) -> list[str] | None:
@@ -200,6 +215,11 @@ class FSDPTrainer(DistributedTrainer):
     # ----------------------------------------------------------------------------- checkpoints
 
     def save(self):
+        if self.pipeline is not None:
+            raise ValueError(
+                f"parallel.fsdp={self.fsdp_mode} with parallel.pp_size={self.cfg.parallel.pp_size}: stage "
+                "checkpoints of sharded weights are not written yet; use parallel.fsdp=none under pipeline stages"
+            )
         state = {"lr_schedule": self.lr_schedule.state_dict(), "bad_steps": self.bad_steps}
         args = (self.out / "checkpoints", self.step, self.model, self._optimizers(), self.ema, state)
         rest = (to_dict(self.cfg), self.cfg.train.keep_checkpoints)

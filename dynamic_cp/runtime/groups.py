@@ -83,31 +83,42 @@ class CPGroups:
         return len(self._groups)
 
 
-def build_cp_groups(world: dist.ProcessGroup, cp_sizes=None, splits=None) -> CPGroups:
+def build_cp_groups(world: dist.ProcessGroup, cp_sizes=None, splits=None, pp_size: int = 1) -> CPGroups:
     """Create one process group per allowed multi-rank group of ``world``; call on every rank.
 
     world: the process group of all training ranks (reused as-is for the whole-world CP group).
     cp_sizes: allowed CP sizes, None for the default (powers of two up to the world size, and it).
     splits: cp -> (ulysses, ring) pairs the runtime may run on a CP group of that size, e.g.
         ``CostModel.cp_layout``; their 2-D sub-groups are built too. None: 1-D layouts only.
+    pp_size: pipeline stages (``dynamic_cp/runtime/pipeline.py``): the groups are those of one plan
+        over R = W / pp_size ranks, built once per stage (plan rank r of stage p is global rank
+        p*R + r); the returned ``CPGroups`` holds this rank's stage's, keyed by plan ranks.
     """
     world_size = dist.get_world_size(world)
-    sizes = normalize_cp_sizes(world_size, cp_sizes)
+    plan_size = world_size // pp_size
+    sizes = normalize_cp_sizes(plan_size, cp_sizes)
     world_ranks = tuple(range(world_size))
     if dist.get_process_group_ranks(world) != list(world_ranks):
         # Groups are addressed by global rank; a world that is itself a subgroup would need a
         # translation table, and nothing launches training that way.
         raise ValueError("build_cp_groups needs the default (global) process group as `world`")
+    rank = dist.get_rank(world)
+    mine = rank // plan_size
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for ranks in allowed_groups(world_size, sizes):
-        if len(ranks) == 1:
-            continue
-        if ranks == world_ranks:
-            groups[ranks] = world
-            continue
-        # Every rank reaches this line for every group in the same order (see module docstring).
-        groups[ranks] = dist.new_group(list(ranks))
-    # new_group sorts its ranks; ring groups are listed in block order, which is ascending, so a
-    # rank's index in its ring group is its block's index.
-    sub = {ranks: dist.new_group(list(ranks)) for ranks in hybrid_groups(world_size, sizes, splits)}
-    return CPGroups(world_size, sizes, groups, dist.get_rank(world), sub)
+    sub: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for stage in range(pp_size):
+        base = stage * plan_size
+        for ranks in allowed_groups(plan_size, sizes):
+            if len(ranks) == 1:
+                continue
+            # Every rank reaches this line for every group in the same order (see module docstring).
+            group = world if len(ranks) == world_size else dist.new_group([base + r for r in ranks])
+            if stage == mine:
+                groups[ranks] = group
+        # new_group sorts its ranks; ring groups are listed in block order, which is ascending, so a
+        # rank's index in its ring group is its block's index.
+        for ranks in hybrid_groups(plan_size, sizes, splits):
+            group = dist.new_group([base + r for r in ranks])
+            if stage == mine:
+                sub[ranks] = group
+    return CPGroups(plan_size, sizes, groups, rank - mine * plan_size, sub)

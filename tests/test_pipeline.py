@@ -1,0 +1,226 @@
+"""Pipeline stages (``parallel.pp_size``) under Dynamic-CP equal one process.
+
+Three spawns, each against the same single-process reference over 3 steps on uneven mixed clips
+(1- and 5-frame clips at two sizes; with ``cap_tokens=96`` a 5-frame 32x16 clip, 160 tokens, needs
+CP 2): PP 2 x 2 ranks (W=4) for dynamic and static CP with replicated weights and FSDP ``per_step``
+inside the stages, 1F1B; PP 2 x 3 ranks (W=6) dynamic, 1F1B; PP 3 x 1 (W=3, one rank a stage, every
+clip on one rank) under 1F1B and GPipe. Each step's loss and gradient norm and every final weight
+(gathered from the stages, each of which holds its blocks under their global names) must match.
+
+Bounds: a pipeline changes no arithmetic inside a micro-batch (the same blocks run on the same rows;
+the stage boundary only moves tensors), so what differs from one process is what the plain
+multi-process runtime differs by: how the plan packs clips into micro-batches and over ranks, i.e.
+the order of fp32 sums, plus the gradient norm summed as stage squares (a reordered sum too). The
+bounds are the reordered-sum bounds derived in tests/test_default_path_worlds.py (``LOSS_REL``,
+``GRAD_NORM_REL``, and the weight bound beside its final comparison), for this data's step tokens.
+
+Planted and seen to fail (docs/runtime.md lists them): a stage boundary one block off (stage 0 runs
+blocks 0..1 of [0, 2) plus block 2); stage 1 running its micro-batches in reverse order; the
+gradient of the text context not sent back (zeros sent instead).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dit.batching import GlobalBatchSampler
+from dit.config import load_config
+from dynamic_cp.runtime.launch import trainer_class
+from dynamic_cp.runtime.testing import run_gloo
+from tests.test_fsdp import CONFIG, LR, PerturbedTrainer, U, perturb
+
+pytestmark = pytest.mark.timeout(900)
+STEPS = 3
+ITEMS = {
+    "model.overrides": "{num_layers: 3, patch_size: [1, 4, 4], num_attention_heads: 2, "
+    "attention_head_dim: 12, ffn_dim: 40, text_dim: 20, freq_dim: 16}",
+    "data.num_clips": 64,
+    "data.num_val_clips": 1,
+    "data.frame_counts": "[1, 5]",
+    "data.resolutions": "[[16, 16], [32, 16]]",
+    "flow.val_sigmas": "[0.5]",
+    "train.global_batch_size": 5,
+    "train.micro_batch_tokens": 200,
+    "train.warmup_steps": 1,
+    "train.log_every": 1,
+    "train.val_every": 100,
+    "parallel.mode": "dynamic",
+    "parallel.cap_tokens": 96,
+    "parallel.plan_ahead": False,
+    "parallel.hardware": "h100",
+    "parallel.learn_costs": False,
+}
+# name -> config items of each case; one spawn per world size runs its cases in turn
+CASES = {
+    4: {
+        "dynamic": {"parallel.pp_size": 2},
+        "static": {"parallel.pp_size": 2, "parallel.mode": "static", "parallel.static_cp_size": 2},
+        "fsdp_per_step": {"parallel.pp_size": 2, "parallel.fsdp": "per_step"},
+    },
+    6: {"dynamic": {"parallel.pp_size": 2}},
+    # one rank a stage: no clip can take CP 2, so the cap must hold the longest clip
+    3: {
+        "1f1b": {"parallel.pp_size": 3, "parallel.cap_tokens": 200},
+        "gpipe": {"parallel.pp_size": 3, "parallel.cap_tokens": 200, "parallel.pp_schedule": "gpipe"},
+    },
+}
+# The longest reordered sum has at most STEP_TOKENS terms: 5 clips of at most 5 frames x 8 x 4 patches.
+STEP_TOKENS = 5 * 160
+ETA = STEP_TOKENS * U
+LOSS_REL = STEP_TOKENS * 48 * U  # a mean of non-negative squared errors: no cancellation
+GRAD_NORM_REL = ETA
+
+
+def overrides(out: str, **extra) -> list[str]:
+    return [f"{k}={v}" for k, v in {"output_dir": out, **ITEMS, **extra}.items()]
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+
+
+def _run(items: dict, out: str) -> dict:
+    cfg = load_config(CONFIG, overrides(out, **items))
+    base = trainer_class(cfg, dist.group.WORLD)
+
+    class Perturbed(base):
+        def _shard_model(self) -> None:
+            perturb(self.model)  # the whole model, before the stage keeps its part: the reference's weights
+            super()._shard_model()
+
+    trainer = Perturbed(cfg, dist.group.WORLD)
+    batches = trainer.data_iterator()
+    steps, cp = [], set()
+    for _ in range(STEPS):
+        batch = next(batches)
+        cp |= {len(ranks) for ranks, _ in batch.plan.micro_batches}
+        metrics = trainer.train_step(batch)
+        trainer.step += 1
+        steps.append({k: metrics[k] for k in ("loss", "grad_norm")})
+    batches.close()
+    params = {n: _full(p) for n, p in trainer.model.named_parameters()}  # collective under FSDP
+    keep = trainer.plan_rank == 0
+    return {
+        "steps": steps,
+        "params": params if keep else {},
+        "cp": sorted(cp),
+        "stage": trainer.pipeline.stage,
+    }
+
+
+def worker(rank: int, world_size: int, root: str) -> dict:
+    try:
+        return {name: _run(items, f"{root}/{name}") for name, items in CASES[world_size].items()}
+    except Exception:  # the spawn error shows only the last frame; keep the whole trace
+        return {"error": traceback.format_exc()}
+
+
+def _reference(out: str) -> tuple[list[dict], dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # cores shared with spawned ranks
+    try:
+        cfg = load_config(CONFIG, overrides(out, **{"parallel.mode": "none"}))
+        trainer = PerturbedTrainer(cfg, device=torch.device("cpu"))
+        sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
+        steps = []
+        for s in range(STEPS):
+            clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
+            steps.append(trainer.train_step(clips))
+        return steps, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _reference(str(tmp_path_factory.mktemp("one")))
+
+
+@pytest.mark.parametrize("world_size", [4, 6, 3])
+def test_pipeline_equals_one_process(world_size, reference, tmp_path):
+    out = run_gloo(worker, world_size, str(tmp_path), timeout_s=180)
+    for r, res in enumerate(out):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    ref_steps, ref_params = reference
+    for name in CASES[world_size]:
+        where = f"W={world_size} {name}"
+        if world_size > 3:
+            assert 2 in out[0][name]["cp"], f"{where}: no micro-batch ran on CP 2: {out[0][name]['cp']}"
+        params = {}
+        for res in out:
+            assert res[name]["steps"] == out[0][name]["steps"], f"{where}: ranks logged different steps"
+            params.update(res[name]["params"])
+        assert sorted({res[name]["stage"] for res in out}) == list(
+            range(CASES[world_size][name]["parallel.pp_size"])
+        )
+        for s, (got, ref) in enumerate(zip(out[0][name]["steps"], ref_steps)):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=LOSS_REL), f"{where} step {s + 1} loss"
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_REL), (
+                f"{where} step {s + 1}"
+            )
+        assert params.keys() == ref_params.keys(), f"{where}: the stages hold other weights than the model"
+        for pname, p in ref_params.items():
+            # test_default_path_worlds' bound: 2 ETA x lr a step through AdamW, plus 4 u |w| a step
+            torch.testing.assert_close(
+                params[pname],
+                p,
+                atol=2 * ETA * STEPS * LR,
+                rtol=4 * U * STEPS,
+                msg=lambda m, pname=pname, where=where: f"{where}: {pname}: {m}",
+            )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# Two steps at PP 2 x 2 (W=4) write a stage checkpoint at step 2; step 3 resumes it at PP 3 x 1 (W=3)
+# and without a pipeline (W=2, pp_size 1): each ends with the single-process weights of 3 steps,
+# within the same bound (only the order of fp32 sums differs). The step-0 validation runs through
+# the stages (PipelineEval) and must be finite on rank 0.
+
+
+def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None) -> dict:
+    try:
+        base = trainer_class(load_config(CONFIG, overrides(out, **items)), dist.group.WORLD)
+
+        class Perturbed(base):
+            def _shard_model(self) -> None:
+                if resume is None:
+                    perturb(self.model)
+                super()._shard_model()
+
+        cfg = load_config(CONFIG, overrides(out, **items))
+        trainer = Perturbed(cfg, dist.group.WORLD, resume=resume)
+        trainer.train()
+        params = {n: _full(p) for n, p in trainer.model.named_parameters()}
+        return {"params": params if trainer.plan_rank == 0 else {}, "step": trainer.step}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
+    first = {"parallel.pp_size": 2, "train.max_steps": 2, "train.checkpoint_every": 2}
+    out = run_gloo(_train, 4, str(tmp_path / "pp2"), first, None, timeout_s=180)
+    assert all("error" not in r for r in out), [r.get("error") for r in out]
+    step_dir = tmp_path / "pp2" / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
+    _, ref_params = reference
+    for world_size, pp in ((2, 1), (3, 3)):
+        then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 96 if pp == 1 else 200}
+        res = run_gloo(_train, world_size, str(tmp_path / f"pp{pp}"), then, str(step_dir), timeout_s=180)
+        assert all("error" not in r for r in res), [r.get("error") for r in res]
+        params = {}
+        for r in res:
+            assert r["step"] == 3
+            params.update(r["params"])
+        assert params.keys() == ref_params.keys()
+        for name, p in ref_params.items():
+            torch.testing.assert_close(
+                params[name],
+                p,
+                atol=2 * ETA * STEPS * LR,
+                rtol=4 * U * STEPS,
+                msg=lambda m, name=name, pp=pp: f"resumed at pp_size={pp}: {name}: {m}",
+            )
