@@ -3,6 +3,8 @@ every micro-batch, never steps slower than the input, and the CLI prints the pip
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dynamic_cp import simulate as cli
@@ -107,3 +109,19 @@ def test_cli_pp_errors(capsys):
     assert "--pp-layers lists 1 stages" in capsys.readouterr().err
     assert cli.main(base + ["--gpus", "4", "--pp", "4", "--cap", "2000"]) != 0
     assert "a CP group has at most 1 ranks: add --checkpointing" in capsys.readouterr().err
+
+
+def test_dry_run_shows_the_pipeline_estimate(tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    import train
+
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    over = tiny_overrides(tmp_path, **{"parallel.mode": "dynamic", "parallel.pp_size": 2})
+    assert train.main(["--config", tiny, *over, "--dry-run", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages x 2 ranks, blocks [1, 1], parallel.pp_schedule=1f1b; first step" in out
+    assert "bubble" in out and "stage 0 (ranks 0-1):" in out and "stage 1 (ranks 2-3):" in out
+    assert "first step's plan:" not in out  # the plan over the whole world is not what runs
+    assert train.main(["--config", tiny, *over, "--dry-run", "--world-size", "3"]) == 1
+    assert "pipeline: parallel.pp_size=2 does not divide the world of 3 ranks" in capsys.readouterr().out

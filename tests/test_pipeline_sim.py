@@ -175,6 +175,7 @@ def test_bound_is_tight_for_equal_micro_batches():
     costs = StageCosts([[1.0], [2.0], [4.0]], [[8.0], [16.0], [32.0]], [[0.25], [0.5]], [0.0] * 3)
     s = simulate_pipeline(one, [1], CM, [1, 1, 1], costs=costs)
     assert s.step_s == order_lower_bound(one, costs) == 63 + 2 * 0.75
+    assert [s.segments[p][0][0][0] for p in range(3)] == [0, 1.25, 3.75]  # each boundary its own p2p
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -187,6 +188,8 @@ def test_each_rank_runs_the_schedules_ops_in_order(schedule):
             for r, runs in enumerate(plan.per_rank()):
                 ran = [(kind, m) for _, _, m, kind in s.segments[p][r]]
                 assert ran == rank_ops(stage_ops(n, pp, p, schedule), runs)
+        busy = sum(e - b for stage in s.segments for segs in stage for b, e, _, _ in segs)
+        assert s.busy_s == pytest.approx(busy, rel=REL)  # every rank of a group is busy
         assert pipeline_ops(plan, pp, schedule) == [stage_ops(n, pp, p, schedule) for p in range(pp)]
         for p in range(pp):  # collectives: a micro-batch's ranks start and end it together
             for m, (ranks, _) in enumerate(plan.micro_batches):
@@ -251,3 +254,60 @@ def test_gantt_has_a_row_per_stage_and_rank(tmp_path, monkeypatch):
     assert list(faces[:, 3]) == [0.45, 0.45, 1.0, 1.0]  # forwards light, backwards solid
     assert (tmp_path / "g.png").stat().st_size > 3_000
     plt.close(kept[0])
+
+
+def test_p2p_link_per_boundary_and_one_row_per_boundary():
+    # 4 stages of 4 ranks, 8 GPUs a node: stages 0-1 on node 0, 2-3 on node 1
+    lengths = [4_000, 4_000]
+    p = Plan([((1, 2), [0]), ((0,), [1])], 4, 40_000)
+    c = stage_costs(p, lengths, CM, [8, 7, 7, 8])
+    assert len(c.p2p) == 3 and len(c.fwd) == len(c.bwd) == len(c.sync) == 4
+    hw = CM.hw
+    near, far = hw.intra_node_latency_s, hw.inter_node_latency_s
+    nbytes = (2_000 + CM.dims.context_tokens) * CM.dims.d * 2
+    assert [c.p2p[b][0] for b in range(3)] == pytest.approx(
+        [
+            near + nbytes / hw.intra_node_bandwidth,
+            far + nbytes / hw.inter_node_bandwidth,
+            near + nbytes / hw.intra_node_bandwidth,
+        ],
+        rel=REL,
+    )
+
+
+def test_packed_micro_batch_peak_and_small_bubble():
+    plan = Plan([((0,), [0, 1])], 1, 1e9)
+    s = simulate_pipeline(plan, [10, 20], CM, TWO)
+    assert s.peak_tokens == [30.0, 30.0] and s.compute_s < 1
+    busy = sum(e - b for stage in s.segments for segs in stage for b, e, _, _ in segs)
+    assert (
+        s.bubble_fraction() == pytest.approx(1 - busy / (2 * s.compute_s), rel=REL)
+        and s.bubble_fraction() > 0.4
+    )
+
+
+def test_barrier_edges_and_default_cost():
+    rng = random.Random(3)
+    plan = _random_plan(rng, 2, 5)
+    costs = _random_costs(rng, 2, 5, sync=False)
+    step = lambda *b, **kw: (
+        simulate_pipeline(  # noqa: E731
+            Plan(plan.micro_batches, 2, 1e9, barriers_after=b), [1] * 5, CM, [1, 1], costs=costs, **kw
+        ).step_s
+    )
+    free = step()
+    assert step(4) == free  # after the last micro-batch: nothing waits
+    assert step(0) > free and step(3) > free
+    assert step(2, 2, barrier_s=0.5) == step(2, barrier_s=0.5)
+    assert step(2) == step(2, barrier_s=CM.hw.intra_node_latency_s)  # 2 stages x 2 ranks: one node
+    big = Plan(plan.micro_batches, 8, 1e9, barriers_after=(2,))
+    kw = dict(costs=_random_costs(random.Random(4), 2, 5, sync=False))
+    assert (
+        simulate_pipeline(big, [1] * 5, CM, [1, 1], **kw).step_s
+        == simulate_pipeline(big, [1] * 5, CM, [1, 1], barrier_s=CM.hw.inter_node_latency_s, **kw).step_s
+    )  # 16 ranks span two nodes
+
+
+def test_one_block_stage_and_empty_peaks():
+    assert stage_shares(CM.dims, [1, 29])[0] < 0.05
+    assert simulate_pipeline(Plan([], 2, 1e9), [], CM, TWO).peak_tokens == [0.0, 0.0]

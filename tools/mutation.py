@@ -116,6 +116,9 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/planning/sampling_planner.py": ["tests/test_sampling_planner.py"],
     "dynamic_cp/planning/pipeline_stages.py": ["tests/test_pipeline_stages.py"],
     "dynamic_cp/planning/pipeline_schedule.py": ["tests/test_pipeline_schedule.py"],
+    "dynamic_cp/planning/pipeline_sim.py": ["tests/test_pipeline_sim.py"],
+    "dynamic_cp/planning/pipeline_order.py": ["tests/test_pipeline_order.py"],
+    "dynamic_cp/planning/compare_pipeline.py": ["tests/test_pipeline_order.py"],
     "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [
         "tests/test_config_validation.py",

@@ -105,7 +105,9 @@ def stage_costs(plan: Plan, lengths, cm: CostModel, layers_per_stage: list[int])
     cps = [len(r) for r, _ in mbs]
     cross = [spans_nodes(r, hw.gpus_per_node) for r, _ in mbs]
     total = cm.flat_micro_batch_times(flat, counts, cps, cross)
-    fwd = np.minimum(cm.forward().flat_micro_batch_times(flat, counts, cps, cross), total)
+    # forward < total: each term of the forward is at most half the training one but the ring's
+    # exposed part, which exceeds its training share by under A/6 (A: forward attention seconds)
+    fwd = cm.forward().flat_micro_batch_times(flat, counts, cps, cross)
     bwd = total - fwd
     p2p = []
     for p in range(pp - 1):
@@ -188,16 +190,19 @@ def simulate_pipeline(
             for p in range(pp):
                 while pos[p] < len(ops[p]):
                     kind, m = ops[p][pos[p]]
-                    if kind == "F":
-                        dep = ("F", p - 1, m) if p > 0 else None
-                        delay = c.p2p[p - 1][m] if p > 0 else 0.0
+                    if kind == "F" and p == 0:
+                        ready = 0.0
                     else:
-                        dep = ("B", p + 1, m) if p < pp - 1 else ("F", p, m)
-                        delay = c.p2p[p][m] if p < pp - 1 else 0.0
-                    if dep is not None and dep not in end:
-                        break
+                        if kind == "F":
+                            dep, delay = ("F", p - 1, m), c.p2p[p - 1][m]
+                        elif p < pp - 1:
+                            dep, delay = ("B", p + 1, m), c.p2p[p][m]
+                        else:
+                            dep, delay = ("F", p, m), 0.0  # the last stage turns round in place
+                        if dep not in end:
+                            break
+                        ready = end[dep] + delay
                     ranks = mbs[m][0]
-                    ready = end[dep] + delay if dep is not None else 0.0
                     start = max(ready, max(free[p][r] for r in ranks))
                     dur = (c.fwd if kind == "F" else c.bwd)[p][m]
                     end[(kind, p, m)] = start + dur
@@ -211,7 +216,7 @@ def simulate_pipeline(
                     progressed = True
             if not progressed:  # pragma: no cover - stage_ops is deadlock-free (test_pipeline_schedule)
                 raise RuntimeError("pipeline schedule deadlocked")
-        if seg.stop - 1 in barriers:
+        if seg.stop - 1 in barriers and seg.stop < len(mbs):  # none after the last
             t = max(max(f) for f in free) + barrier_s
             free = [[t] * R for _ in range(pp)]
     stage_end = [max(f) for f in free] if mbs else [0.0] * pp
