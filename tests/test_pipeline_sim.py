@@ -290,22 +290,53 @@ def test_barrier_edges_and_default_cost():
     rng = random.Random(3)
     plan = _random_plan(rng, 2, 5)
     costs = _random_costs(rng, 2, 5, sync=False)
-    step = lambda *b, **kw: (
-        simulate_pipeline(  # noqa: E731
-            Plan(plan.micro_batches, 2, 1e9, barriers_after=b), [1] * 5, CM, [1, 1], costs=costs, **kw
-        ).step_s
-    )
+
+    def step(*b, **kw):
+        p = Plan(plan.micro_batches, 2, 1e9, barriers_after=b)
+        return simulate_pipeline(p, [1] * 5, CM, [1, 1], costs=costs, **kw).step_s
+
     free = step()
     assert step(4) == free  # after the last micro-batch: nothing waits
     assert step(0) > free and step(3) > free
     assert step(2, 2, barrier_s=0.5) == step(2, barrier_s=0.5)
     assert step(2) == step(2, barrier_s=CM.hw.intra_node_latency_s)  # 2 stages x 2 ranks: one node
+    node = Plan(plan.micro_batches, 4, 1e9, barriers_after=(2,))  # 2 x 4 ranks: a full node of 8
+    assert (
+        simulate_pipeline(node, [1] * 5, CM, [1, 1], costs=costs).step_s
+        == simulate_pipeline(
+            node, [1] * 5, CM, [1, 1], costs=costs, barrier_s=CM.hw.intra_node_latency_s
+        ).step_s
+    )
     big = Plan(plan.micro_batches, 8, 1e9, barriers_after=(2,))
     kw = dict(costs=_random_costs(random.Random(4), 2, 5, sync=False))
     assert (
         simulate_pipeline(big, [1] * 5, CM, [1, 1], **kw).step_s
         == simulate_pipeline(big, [1] * 5, CM, [1, 1], barrier_s=CM.hw.inter_node_latency_s, **kw).step_s
     )  # 16 ranks span two nodes
+
+
+def test_bound_of_idle_ranks_small_and_empty_plans():
+    plan = Plan([((0,), [0])], 3, 1e9)  # ranks 1 and 2 run nothing
+    costs = StageCosts([[0.125], [0.25]], [[0.0625], [0.03125]], [[0.0]], [0.0, 0.0])
+    assert order_lower_bound(plan, costs) == 0.125 + 0.25 + 0.03125 + 0.0625
+    assert order_lower_bound(Plan([], 2, 1e9), StageCosts([[], []], [[], []], [[]], [0.0, 0.0])) == 0.0
+
+
+def test_gantt_colours_by_cp_size_and_titles_itself(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    plan = Plan([((0, 1), [0])], 2, 1e9)
+    s = simulate_pipeline(plan, [4_000], CM, TWO)
+    gantt_pipeline(s, plan, str(tmp_path / "g.png"))
+    ax = kept[0].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["CP 2"]
+    assert ax.get_title() == f"step {s.step_s:.3f} s" and len(ax.collections) == 4
+    plt.close(kept[0])
 
 
 def test_one_block_stage_and_empty_peaks():

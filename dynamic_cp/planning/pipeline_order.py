@@ -63,6 +63,47 @@ def _mountain(run: list[int], trip: list[float]) -> list[int]:
     return asc[1::2] + asc[::2][::-1]
 
 
+def round_trips(costs: StageCosts) -> list[float]:
+    """Per micro-batch: what stage 0 waits between its forward and its backward, the forwards and
+    backwards of stages 1.. and the p2p both ways of every boundary."""
+    pp = len(costs.fwd)
+    return [
+        sum(costs.fwd[q][m] + costs.bwd[q][m] for q in range(1, pp))
+        + 2 * sum(costs.p2p[q][m] for q in range(pp - 1))
+        for m in range(len(costs.fwd[0]))
+    ]
+
+
+def candidate_orders(plan: Plan, trip: list[float]) -> list[list[int]]:
+    """The input order, its runs shaped (``_mountain``), and the shaped runs by ascending CP size."""
+    runs = _runs(plan)
+    shaped = [_mountain(r, trip) for r in runs]
+    by_size = sorted(range(len(runs)), key=lambda k: (len(plan.micro_batches[runs[k][0]][0]), k))
+    return [list(range(len(trip))), [i for r in shaped for i in r], [i for k in by_size for i in shaped[k]]]
+
+
+def search_moves(runs: list[list[int]], trip: list[float]) -> list[tuple]:
+    """The local search's moves over positions: for each run, the run with the longest round trip
+    first, its last then its first member swapped with each inner one; then each pair of
+    neighbouring runs swapped (``("runs", k)``: runs k and k + 1)."""
+    moves: list[tuple] = []
+    for run in sorted(runs, key=lambda r: (-max(trip[i] for i in r), r[0])):
+        for j in run[1:-1]:
+            moves += [("swap", run[-1], j), ("swap", run[0], j)]
+    return moves + [("runs", k) for k in range(len(runs) - 1)]
+
+
+def apply_move(order: list[int], move: tuple, runs: list[list[int]]) -> list[int]:
+    """``order`` with ``move`` done (positions ``runs`` describe ``order``); a new list."""
+    out = order[:]
+    if move[0] == "swap":
+        out[move[1]], out[move[2]] = order[move[2]], order[move[1]]
+    else:
+        a, b = runs[move[1]], runs[move[1] + 1]
+        out[a[0] : b[-1] + 1] = order[b[0] : b[-1] + 1] + order[a[0] : a[-1] + 1]
+    return out
+
+
 def order_for_pipeline(
     plan: Plan,
     lengths,
@@ -73,59 +114,43 @@ def order_for_pipeline(
 ) -> Plan:
     """``plan`` with its micro-batches reordered for ``len(layers_per_stage)`` stages (see the module
     docstring); ``predicted_step_s`` is its simulated pipeline step, ``info['pp_order']`` the
-    permutation (new position -> old index)."""
+    permutation (new position -> old index), ``info['pp_evals']`` the replays it took."""
     t0 = time.perf_counter()
-    n = len(plan.micro_batches)
     costs = stage_costs(plan, lengths, cost_model, layers_per_stage)
-    pp = len(layers_per_stage)
-    trip = [
-        sum(costs.fwd[q][m] + costs.bwd[q][m] for q in range(1, pp))
-        + 2 * sum(costs.p2p[q][m] for q in range(pp - 1))
-        for m in range(n)
-    ]
+    trip = round_trips(costs)
+
+    def reordered(order):
+        return Plan([plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens)
 
     def score(order):
-        sub = Plan([plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens)
+        # the permuted costs are the reordered plan's (a replay, not a new pricing: speed only)
+        sub = reordered(order)
         return simulate_pipeline(
             sub, lengths, cost_model, layers_per_stage, schedule, costs=_permuted(costs, order)
         ).step_s
 
-    runs = _runs(plan)
-    shaped = [_mountain(r, trip) for r in runs]
-    by_size = sorted(range(len(runs)), key=lambda k: (len(plan.micro_batches[runs[k][0]][0]), k))
-    candidates = [list(range(n)), [i for r in shaped for i in r], [i for k in by_size for i in shaped[k]]]
-    scored = [(score(o), k, o) for k, o in enumerate(candidates)]
-    best_s, _, best = min(scored)
+    best_s, _, best = min((score(o), k, o) for k, o in enumerate(candidate_orders(plan, trip)))
     used = NUM_CANDIDATES
-    # local search on the run structure of the best candidate
-    runs = _runs(Plan([plan.micro_batches[i] for i in best], plan.world_size, plan.cap_tokens))
-    moves = []
-    for run in sorted(runs, key=lambda r: -max(trip[best[i]] for i in r)):
-        for j in run[1:-1]:
-            moves += [("swap", run[-1], j), ("swap", run[0], j)]
-    moves += [("runs", k) for k in range(len(runs) - 1)]
-    for move in moves:
+    runs = _runs(reordered(best))
+    for move in search_moves(runs, [trip[i] for i in best]):
         if used >= evals:
             break
-        order = best[:]
-        if move[0] == "swap":
-            order[move[1]], order[move[2]] = order[move[2]], order[move[1]]
-        else:
-            a, b = runs[move[1]], runs[move[1] + 1]
-            order[a[0] : b[-1] + 1] = best[b[0] : b[-1] + 1] + best[a[0] : a[-1] + 1]
+        if move[0] == "runs" and move[1] + 1 >= len(runs):
+            continue  # an accepted run swap joined two runs of one group: fewer runs now
+        order = apply_move(best, move, runs)
         s = score(order)
         used += 1
-        if s < best_s * (1 - 1e-9):
+        if s < best_s:  # strictly: each move is tried once, so no cycling on ties
             best_s, best = s, order
-    out = Plan(
-        [plan.micro_batches[i] for i in best],
+            runs = _runs(reordered(best))  # a run swap moved the later runs' positions
+    return Plan(
+        reordered(best).micro_batches,
         plan.world_size,
         plan.cap_tokens,
         predicted_step_s=best_s,
         solver_ms=plan.solver_ms + (time.perf_counter() - t0) * 1e3,
         info={**plan.info, "pp_order": best, "pp_evals": used},
     )
-    return out
 
 
 def plan_for_pipeline(
@@ -148,18 +173,19 @@ def plan_for_pipeline(
     choices = [None]
     if any(c < node for c in sizes):
         choices.append(tuple(c for c in sizes if c >= node))
-    best = None
+    best, first_error = None, None
     for cp in choices:
         for fraction in CAP_FRACTIONS:
             try:
                 p = dynamic_plan(lengths, ranks_per_stage, cap_tokens * fraction, cost_model, cp)
-            except ValueError:
-                if cp is None and fraction == 1:
-                    raise
-                continue  # a clip too long for these sizes or this cap: not a candidate
+            except ValueError as err:  # a clip too long for these sizes or this cap: not a candidate
+                first_error = first_error or err
+                continue
             quick = order_for_pipeline(p, lengths, cost_model, layers_per_stage, schedule, NUM_CANDIDATES)
-            if best is None or quick.predicted_step_s < best[0].predicted_step_s * (1 - 1e-9):
+            if best is None or quick.predicted_step_s < best[0].predicted_step_s:
                 best = (quick, p)
+    if best is None:
+        raise first_error  # no candidate at all: the planner's own message (default sizes, full cap)
     # only the winner gets the local search
     best = order_for_pipeline(best[1], lengths, cost_model, layers_per_stage, schedule, evals)
     best.cap_tokens = cap_tokens

@@ -100,7 +100,7 @@ def stage_costs(plan: Plan, lengths, cm: CostModel, layers_per_stage: list[int])
     shares = stage_shares(dims, layers_per_stage)
     mbs = plan.micro_batches
     ids = [s for _, m in mbs for s in m]
-    flat = lengths[ids] if ids else np.zeros(0)
+    flat = lengths[ids]  # an empty index list gives an empty array
     counts = [len(m) for _, m in mbs]
     cps = [len(r) for r, _ in mbs]
     cross = [spans_nodes(r, hw.gpus_per_node) for r, _ in mbs]
@@ -146,9 +146,9 @@ class PipelineSchedule:
 
 def _segments_of(plan: Plan) -> list[range]:
     """Barrier-separated runs of micro-batches (one run without barriers)."""
-    cuts = sorted(b + 1 for b in plan.barriers_after if 0 <= b < len(plan.micro_batches) - 1)
-    edges = [0, *cuts, len(plan.micro_batches)]
-    return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    n = len(plan.micro_batches)
+    edges = [0, *sorted({b + 1 for b in plan.barriers_after if 0 <= b < n - 1}), n]
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
 def pipeline_ops(plan: Plan, pp: int, schedule: str) -> list[list[tuple[str, int]]]:
@@ -181,8 +181,8 @@ def simulate_pipeline(
     end = {}  # (kind, stage, m) -> end time
     segments = [[[] for _ in range(R)] for _ in range(pp)]
     busy = 0.0
-    barriers = set(plan.barriers_after)
-    for seg in _segments_of(plan):
+    segs = _segments_of(plan)
+    for k, seg in enumerate(segs):
         ops = [[(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule)] for p in range(pp)]
         pos = [0] * pp
         while any(pos[p] < len(ops[p]) for p in range(pp)):
@@ -216,7 +216,7 @@ def simulate_pipeline(
                     progressed = True
             if not progressed:  # pragma: no cover - stage_ops is deadlock-free (test_pipeline_schedule)
                 raise RuntimeError("pipeline schedule deadlocked")
-        if seg.stop - 1 in barriers and seg.stop < len(mbs):  # none after the last
+        if k < len(segs) - 1:  # a barrier between runs, none after the last
             t = max(max(f) for f in free) + barrier_s
             free = [[t] * R for _ in range(pp)]
     stage_end = [max(f) for f in free] if mbs else [0.0] * pp
@@ -240,7 +240,7 @@ def order_lower_bound(plan: Plan, costs: StageCosts) -> float:
                 work[r] += costs.fwd[p][m] + costs.bwd[p][m]
                 head[r], tail[r] = min(head[r], h), min(tail[r], t)
         for r in range(R):
-            if work[r] > 0 or head[r] < np.inf:
+            if head[r] < np.inf:  # the rank runs a micro-batch
                 best = max(best, head[r] + work[r] + max(tail[r], costs.sync[p]))
     return best
 
