@@ -158,6 +158,50 @@ def _tokens_of(cfg: Config) -> int:
     return int(cap_tokens_of(cfg) if cfg.parallel.mode != "none" else cfg.train.micro_batch_tokens)
 
 
+def echo_pipeline(cfg: Config, cm, world_size: int, lengths, echo: Callable[[str], None]) -> None:
+    """``parallel.pp_size > 1``: the first step planned over one stage's ranks (Dynamic-CP: CP sizes,
+    packing and order for the pipeline, ``plan_for_pipeline``), replayed on the stages: step, bubble
+    fraction and each stage's memory per GPU (``memory.stage_memory``'s planning convention). Without
+    the data (``lengths`` None): the memory of 1F1B's pp - stage micro-batches in flight at the cap."""
+    from dynamic_cp.planning.baselines import static_plan
+    from dynamic_cp.planning.memory import stage_memory
+    from dynamic_cp.planning.pipeline_order import plan_for_pipeline
+    from dynamic_cp.planning.pipeline_sim import default_stage_layers, simulate_pipeline
+    from dynamic_cp.planning.pipeline_stages import check_pipeline
+
+    pp, schedule = cfg.parallel.pp_size, cfg.parallel.pp_schedule
+    check_pipeline(world_size, pp, cm.dims.layers)
+    R, cap = world_size // pp, cap_tokens_of(cfg)
+    layers = list(cfg.parallel.pp_layers or default_stage_layers(cm.dims, pp))
+    head = f"pipeline: {pp} stages x {R} ranks, blocks {layers}, parallel.pp_schedule={schedule}"
+    if lengths is not None:
+        if cfg.parallel.mode == "dynamic":
+            plan = plan_for_pipeline(lengths, R, cap, cm, layers, schedule)
+        else:
+            plan = static_plan(lengths, R, cap, cm)
+        s = simulate_pipeline(plan, lengths, cm, layers, schedule)
+        hist = ", ".join(f"CP{c} x{n}" for c, n in sorted(plan.cp_histogram().items()))
+        echo(
+            f"{head}; first step {len(plan.micro_batches)} micro-batches ({hist}), predicted "
+            f"{s.step_s:.3f} s, bubble {s.bubble_fraction():.1%}, planned in {plan.solver_ms:.0f} ms"
+        )
+        in_flight = s.peak_tokens
+    elif schedule == "1f1b":
+        echo(
+            f"{head}; step and bubble need the data; memory at {cap:,} tokens a micro-batch, pp - stage in flight"
+        )
+        in_flight = [cap * (pp - p) for p in range(pp)]
+    else:
+        echo(f"{head}; gpipe holds every micro-batch of a step: step, bubble and memory need the data")
+        return
+    for p, tokens in enumerate(in_flight):
+        states, act = stage_memory(cm.dims, layers, p, R, cfg.model.gradient_checkpointing)
+        echo(
+            f"  stage {p} (ranks {p * R}-{p * R + R - 1}): {_gb(states + tokens * act)} GB per GPU = "
+            f"states {_gb(states)} + activations {_gb(tokens * act)} ({tokens:,.0f} tokens in flight)"
+        )
+
+
 def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = print) -> int:
     """Print what ``cfg`` would run; -> 0, or 1 when problems were found (listed at the end)."""
     problems = missing_paths(cfg)
@@ -241,7 +285,12 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
         mode = "none"
         problems.append(f"parallel.fsdp: {err}")
 
-    if cfg.parallel.mode != "none":
+    if cfg.parallel.pp_size > 1:
+        try:
+            echo_pipeline(cfg, cost_model, world_size, lengths, echo)
+        except ValueError as err:
+            problems.append(f"pipeline: {err}")
+    elif cfg.parallel.mode != "none":
         if lengths is None:
             echo("first step's plan: skipped (needs the data)")
         else:

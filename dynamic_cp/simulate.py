@@ -9,6 +9,10 @@ Prints, per GPU count, each method's simulated step time, speedup over static CP
 Then, per weight-sharding mode (``--fsdp``, default all: none, per_step, per_layer): memory per GPU,
 whether it fits, the step's lower bound, and static CP, Megatron's scheduler and Dynamic-CP under that
 mode's token cap and collectives, with the mode ``parallel.fsdp: auto`` would pick.
+
+``--pp N`` (N > 1) puts the world on N pipeline stages instead: each method plans over W / N ranks,
+and the table shows the pipeline step, bubble fraction, memory per GPU and each plan's order bound
+(``dynamic_cp/planning/compare_pipeline.py``); ``--gantt`` then draws one row per (stage, rank).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from data.cli import add_debug_flag, run_cli
 from dynamic_cp.planning.compare import METHODS, compare, format_rows
 from dynamic_cp.planning.compare_modes import MODE_METHODS, compare_modes, format_mode_rows
 from dynamic_cp.planning.cost_model import CostModel
+from dynamic_cp.planning.groups_layout import normalize_cp_sizes
 from dynamic_cp.planning.hardware import builtin_profiles
 from dynamic_cp.planning.memory import FSDP_MODES
 from dynamic_cp.planning.model_dims import MODELS
+from dynamic_cp.planning.planner import check_lengths, min_cp_index
 from dynamic_cp.planning.simulator import gantt, simulate
 from dynamic_cp.planning.workloads import WORKLOADS, read_lengths, read_manifest, sample_batch, workload
 
@@ -50,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["all", "off", *FSDP_MODES],
         help="weight-sharding modes to compare (all, or off to skip the per-mode table)",
     )
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (parallel.pp_size); 1: none")
+    ap.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"], help="parallel.pp_schedule")
+    ap.add_argument("--pp-layers", type=int, nargs="+", help="blocks per stage (default: balanced)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--gantt", metavar="PREFIX", help="write PREFIX_<method>_<gpus>.png per-rank charts")
@@ -85,9 +94,53 @@ def main(argv=None) -> int:
     return run_cli(lambda: run(args), args.debug)
 
 
+def run_pipeline(args, cm: CostModel, world: int) -> None:
+    """One world size on ``args.pp`` stages: the pipeline table (and Gantt charts)."""
+    from dynamic_cp.planning.compare_pipeline import compare_pipeline, format_pipeline_rows, work_bound
+    from dynamic_cp.planning.memory import pipeline_token_cap
+    from dynamic_cp.planning.pipeline_sim import default_stage_layers, gantt_pipeline
+    from dynamic_cp.planning.pipeline_stages import check_pipeline
+
+    check_pipeline(world, args.pp, cm.dims.layers)
+    R = world // args.pp
+    layers = args.pp_layers or default_stage_layers(cm.dims, args.pp)
+    if len(layers) != args.pp:
+        raise ValueError(f"--pp-layers lists {len(layers)} stages; give --pp={args.pp} block counts")
+    cap = args.cap or pipeline_token_cap(cm.dims, cm.hw.memory_bytes, layers, R, args.checkpointing)
+    lengths = batch_for(args, world)
+    try:
+        min_cp_index(check_lengths(lengths), cap, normalize_cp_sizes(R))
+    except ValueError as err:  # the user's to fix, as without stages; say what PP changed
+        raise ValueError(f"{err}; with --pp {args.pp} a CP group has at most {R} ranks: add --checkpointing, "
+                         "use fewer stages or more GPUs") from None  # fmt: skip
+    print(
+        f"\n== {args.workload or args.manifest or args.lengths} | {world} GPUs = {args.pp} stages x {R} ranks "
+        f"({args.pp_schedule}, blocks {layers}) | {args.model} on {cm.hw.name} | {len(lengths)} clips, "
+        f"{sum(lengths):,} tokens, max {max(lengths):,} | cap {cap:,.0f} tokens/rank"
+    )
+    rows = compare_pipeline(
+        lengths, args.pp, R, cap, cm, layers, args.pp_schedule, args.checkpointing, args.methods
+    )
+    print(format_pipeline_rows(rows, work_bound(lengths, cm, args.pp, R, cap), cm.hw.memory_bytes))
+    print(
+        "(step = last op + each stage's gradient all-reduce over its ranks; bubble = idle share of the ops' span)"
+    )
+    for r in rows if args.gantt else []:
+        if r.plan is not None:
+            path = f"{args.gantt}_{r.method}_{world}_pp{args.pp}.png"
+            title = (
+                f"{r.method}: {world} GPUs, {args.pp} stages, step {r.step_s:.2f} s, bubble {r.bubble:.1%}"
+            )
+            gantt_pipeline(r.schedule, r.plan, path, title)
+            print(f"wrote {path}")
+
+
 def run(args) -> int:
     cm = CostModel.from_name(args.model, args.hardware, args.comm)
     for world in args.gpus:
+        if args.pp > 1:
+            run_pipeline(args, cm, world)
+            continue
         cap = args.cap or cm.token_cap(shard_world=world, activation_checkpointing=args.checkpointing)
         lengths = batch_for(args, world)
         print(

@@ -120,6 +120,9 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/runtime/pipeline.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
     "dynamic_cp/runtime/pipeline_checkpoint.py": ["tests/test_pipeline.py", "-k", "checkpoint"],
     "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
+    "dynamic_cp/planning/pipeline_sim.py": ["tests/test_pipeline_sim.py"],
+    "dynamic_cp/planning/pipeline_order.py": ["tests/test_pipeline_order.py"],
+    "dynamic_cp/planning/compare_pipeline.py": ["tests/test_pipeline_order.py"],
     "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [
         "tests/test_config_validation.py",

@@ -96,13 +96,29 @@ def lower_bound(lengths, cost_model: CostModel, world_size: int, cap_tokens: flo
 
 
 def gantt(schedule: Schedule, plan: Plan, lengths, path: str, title: str = "") -> None:
-    """Per-rank Gantt chart PNG: one row per rank, one bar per micro-batch, coloured by CP size.
+    """Per-rank Gantt chart PNG: one row per rank, one bar per micro-batch, coloured by CP size, a
+    red line at each barrier (at the latest end of the micro-batches before it). See ``draw_gantt``."""
+    rows = [
+        [(s, e, len(plan.micro_batches[i][0]), False) for s, e, i in segs] for segs in schedule.rank_segments
+    ]
+    lines = []
+    for b in plan.barriers_after:
+        ends = [e for segs in schedule.rank_segments for s, e, i in segs if i <= b]
+        if ends:
+            lines.append(max(ends))
+    title = title or f"step {schedule.step_s:.3f} s on {plan.world_size} ranks"
+    draw_gantt(rows, [str(r) for r in range(plan.world_size)], schedule.step_s, lines, path, title, "rank")
 
-    Rank 0 is the top row; bars are centred on their rank's row, thinner than it; a red line marks
-    each barrier; the x axis spans the step; the legend (one entry per CP size) sits centred under
-    the axes. Every row is labelled with its rank up to 32 ranks, beyond that matplotlib picks the
-    ticks. The image is 12 in x 110 dpi = 1320 px wide and 0.22 in per rank plus 1.5 in for the axis
-    and legend tall, clamped to 3-13.5 in (330-1485 px), so rows stay readable and the file bounded.
+
+def draw_gantt(rows, labels, step_s: float, lines, path: str, title: str, ylabel: str) -> None:
+    """Gantt PNG: ``rows[i]`` = (start, end, CP size, light) bars of row i, colour by CP size, light
+    bars (pipeline forwards) at 45% opacity; red vertical ``lines``.
+
+    Row 0 is the top row; bars are centred on their row, thinner than it; the x axis spans the step;
+    the legend (one entry per CP size) sits centred under the axes. Every row is labelled up to 32
+    rows, beyond that matplotlib picks the ticks. The image is 12 in x 110 dpi = 1320 px wide and
+    0.22 in per row plus 1.5 in for the axis and legend tall, clamped to 3-13.5 in (330-1485 px), so
+    rows stay readable and the file bounded.
     """
     import matplotlib
 
@@ -110,28 +126,25 @@ def gantt(schedule: Schedule, plan: Plan, lengths, path: str, title: str = "") -
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    world = plan.world_size
-    sizes = sorted({len(r) for r, _ in plan.micro_batches})
+    n = len(rows)
+    sizes = sorted({bar[2] for row in rows for bar in row})
     cmap = plt.get_cmap("viridis", max(len(sizes), 2))
     color = {c: cmap(i) for i, c in enumerate(sizes)}
-    fig, ax = plt.subplots(figsize=(12, max(3.0, min(0.22 * world, 12.0) + 1.5)))
-    for r, segs in enumerate(schedule.rank_segments):
-        bars = [(s, e - s) for s, e, _ in segs]
-        cols = [color[len(plan.micro_batches[i][0])] for _, _, i in segs]
+    fig, ax = plt.subplots(figsize=(12, max(3.0, min(0.22 * n, 12.0) + 1.5)))
+    for r, row in enumerate(rows):
+        bars = [(s, e - s) for s, e, _, _ in row]
+        cols = [(*color[c][:3], 0.45 if light else 1.0) for _, _, c, light in row]
         ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=cols, edgecolor="white", linewidth=0.4)
-    for b in plan.barriers_after:
-        # barrier times are where every rank's segment after it starts; mark at the max end so far
-        ends = [e for segs in schedule.rank_segments for s, e, i in segs if i <= b]
-        if ends:
-            ax.axvline(max(ends), color="red", linewidth=0.6, alpha=0.6)
-    ax.set_ylim(-0.6, world - 0.4)
+    for x in lines:
+        ax.axvline(x, color="red", linewidth=0.6, alpha=0.6)
+    ax.set_ylim(-0.6, n - 0.4)
     ax.invert_yaxis()
-    ax.set_xlim(0, schedule.step_s * 1.02)
+    ax.set_xlim(0, step_s * 1.02)
     ax.set_xlabel("seconds into the step")
-    ax.set_ylabel("rank")
-    if world <= 32:
-        ax.set_yticks(range(world))
-    ax.set_title(title or f"step {schedule.step_s:.3f} s on {world} ranks")
+    ax.set_ylabel(ylabel)
+    if n <= 32:
+        ax.set_yticks(range(n), labels)
+    ax.set_title(title)
     ax.legend(
         handles=[Patch(color=color[c], label=f"CP {c}") for c in sizes],
         loc="upper center",
