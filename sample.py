@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         "(blocks), or none; auto: blocks when the run trained with model.offload, else none",
     )
     parser.add_argument(
-        "--offload-blocks", type=int, default=None, help="how many blocks --offload keeps on the host (default: all)"
+        "--offload-blocks",
+        type=int,
+        default=None,
+        help="how many blocks --offload keeps on the host (default: all)",
     )
     parser.add_argument(
         "--hardware",

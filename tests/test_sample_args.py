@@ -73,8 +73,18 @@ def test_every_flag_parses_to_its_type_and_reaches_the_requests(parsed):
         fsdp="per_layer", precision="bf16", base_dtype="fp8_scaled", offload="blocks", offload_blocks=3,
         hardware="a100", debug=False,
     )  # fmt: skip
-    typed = {k: type(v) for k, v in vars(args).items() if k in ("frames", "guidance", "memory_gb", "seed", "offload_blocks")}
-    assert typed == {"frames": int, "guidance": float, "seed": int, "memory_gb": float, "offload_blocks": int}  # 5 == 5.0 above
+    typed = {
+        k: type(v)
+        for k, v in vars(args).items()
+        if k in ("frames", "guidance", "memory_gb", "seed", "offload_blocks")
+    }
+    assert typed == {
+        "frames": int,
+        "guidance": float,
+        "seed": int,
+        "memory_gb": float,
+        "offload_blocks": int,
+    }  # 5 == 5.0 above
     assert defaults == dict(
         frames=5, height=24, width=40, steps=7, guidance=2.5, guidance_2=3.5, seed=11,
         negative_prompt="blurry", image="first.png", last_image="last.png",

@@ -26,7 +26,19 @@ from dit import block_offload
 from dit.config import load_config
 from dit.trainer import Trainer
 
-SMALL = ["--frames", "1", "--height", "8", "--width", "8", "--steps", "2", "--grid", "--prompt", "a red circle"]
+SMALL = [
+    "--frames",
+    "1",
+    "--height",
+    "8",
+    "--width",
+    "8",
+    "--steps",
+    "2",
+    "--grid",
+    "--prompt",
+    "a red circle",
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +77,26 @@ def offloaders(monkeypatch):
 
 def _grid(run, tmp_path, *flags, code: int = 0) -> np.ndarray | None:
     out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
-    assert sample.main(["--checkpoint", str(run), "--weights", "model", "--out", str(out), *SMALL, *flags]) == code
+    assert (
+        sample.main(["--checkpoint", str(run), "--weights", "model", "--out", str(out), *SMALL, *flags])
+        == code
+    )
     return imageio.imread(next(out.glob("*.png"))) if code == 0 else None
 
 
 def test_offload_is_bitwise_and_fp8_takes_effect_on_a_full_run(runs, tmp_path, offloaders):
     fp8 = _grid(runs["full"], tmp_path, "--base-dtype", "fp8_e4m3")
     assert offloaders == []  # a full run trained without offload: auto is none
-    np.testing.assert_array_equal(fp8, _grid(runs["full"], tmp_path, "--base-dtype", "fp8_e4m3", "--offload", "blocks"))
+    np.testing.assert_array_equal(
+        fp8, _grid(runs["full"], tmp_path, "--base-dtype", "fp8_e4m3", "--offload", "blocks")
+    )
     (one,) = offloaders
     assert one.swapped == {0, 1} and 1 <= one.peak_blocks <= 2 and one.device_bytes() == 0  # all freed after
     plain = _grid(runs["full"], tmp_path)  # auto: the run's model.base_dtype (auto), its DiT's dtype
     assert not np.array_equal(plain, fp8)
-    np.testing.assert_array_equal(plain, _grid(runs["full"], tmp_path, "--offload", "blocks", "--offload-blocks", "1"))
+    np.testing.assert_array_equal(
+        plain, _grid(runs["full"], tmp_path, "--offload", "blocks", "--offload-blocks", "1")
+    )
     assert offloaders[-1].swapped == {1}
 
 
@@ -85,7 +104,9 @@ def test_a_lora_run_samples_as_it_trained_and_offload_changes_no_bit(runs, tmp_p
     auto = _grid(runs["lora"], tmp_path)  # the run's fp8_scaled base, its blocks offloaded
     (one,) = offloaders
     assert one.swapped == {0, 1} and one.peak_blocks >= 1
-    np.testing.assert_array_equal(auto, _grid(runs["lora"], tmp_path, "--base-dtype", "fp8_scaled", "--offload", "none"))
+    np.testing.assert_array_equal(
+        auto, _grid(runs["lora"], tmp_path, "--base-dtype", "fp8_scaled", "--offload", "none")
+    )
     assert len(offloaders) == 1
     np.testing.assert_array_equal(auto, _grid(runs["lora"], tmp_path, "--offload-blocks", "1"))
     precision = _grid(runs["lora"], tmp_path, "--base-dtype", "precision", "--offload", "none")
@@ -102,7 +123,10 @@ def test_memory_check_prices_fp8_and_offloaded_blocks(runs, tmp_path, capsys):
 
     model = load_checkpoint_sampler(str(runs["lora"]), "model", None, 1.0, "cpu").model
     dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
-    plain, low = weight_bytes(dims, value_bytes=4), weight_bytes(dims, value_bytes=4, base_bytes=1, offload_blocks=2)
+    plain, low = (
+        weight_bytes(dims, value_bytes=4),
+        weight_bytes(dims, value_bytes=4, base_bytes=1, offload_blocks=2),
+    )
     per_block, rest = block_params(dims), dims.num_params - dims.layers * block_params(dims)
     assert low == pytest.approx(4 * rest + 1 * per_block * 2) and plain == 4 * dims.num_params  # by hand
     assert weight_bytes(dims, value_bytes=4, offload_blocks=2) == plain  # two blocks in flight: all of 2
@@ -117,6 +141,21 @@ def test_memory_check_prices_fp8_and_offloaded_blocks(runs, tmp_path, capsys):
     _grid(runs["lora"], tmp_path, *limit)  # the run's fp8 base, its blocks offloaded: fits
     with pytest.raises(ValueError, match="replicated weights"):
         weight_bytes(dims, shards=2, base_bytes=1)
+    from dit.sizes import MODEL_SIZES
+
+    wan = ModelDims.from_config(MODEL_SIZES["wan-14b"], text_tokens=512)  # 40 blocks: 2 of 40 in flight
+    per_block, rest = block_params(wan), wan.num_params - wan.layers * block_params(wan)
+    assert weight_bytes(wan, base_bytes=1, offload_blocks=40) == pytest.approx(2 * rest + 1 * per_block * 2)
+    assert weight_bytes(wan, offload_blocks=7) == pytest.approx(2 * rest + 2 * per_block * 35)
+
+
+def test_a_rerun_with_another_base_dtype_writes_its_own_clip(runs, tmp_path):
+    """fp8 changes the clip, so it is part of the clip's key; offload is not (the same clip)."""
+    out = tmp_path / "same"
+    argv = ["--checkpoint", str(runs["full"]), "--weights", "model", "--out", str(out), *SMALL]
+    for flags in ([], ["--offload", "blocks"], ["--base-dtype", "fp8_scaled"]):
+        assert sample.main([*argv, *flags]) == 0
+    assert len(list(out.glob("*.mp4"))) == 2
 
 
 def test_bad_offload_blocks_and_torchrun_are_one_line(runs, tmp_path, capsys, monkeypatch):
@@ -126,7 +165,10 @@ def test_bad_offload_blocks_and_torchrun_are_one_line(runs, tmp_path, capsys, mo
     monkeypatch.setenv("WORLD_SIZE", "2")
     _grid(runs["lora"], tmp_path, "--offload", "blocks", code=2)
     err = capsys.readouterr().err
-    assert err.startswith("error: --base-dtype/--offload/--offload-blocks sample on one process") and err.count("\n") == 1
+    assert (
+        err.startswith("error: --base-dtype/--offload/--offload-blocks sample on one process")
+        and err.count("\n") == 1
+    )
 
 
 def test_help_names_the_flags(capsys):

@@ -90,8 +90,13 @@ def plan_queue(
         None
         if memory_bytes is None
         else sampling_token_cap(
-            cost.dims, memory_bytes, shards=shards, value_bytes=value_bytes, resident_bytes=resident_bytes,
-            base_bytes=base_bytes, offload_blocks=offload_blocks,
+            cost.dims,
+            memory_bytes,
+            shards=shards,
+            value_bytes=value_bytes,
+            resident_bytes=resident_bytes,
+            base_bytes=base_bytes,
+            offload_blocks=offload_blocks,
         )  # fmt: skip
     )
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel, sharded=sharded)
