@@ -14,7 +14,9 @@ gives each request its context-parallel group and CFG split (docs/sampling.md); 
 DiT over all ranks with training's FSDP2 (per_layer; auto: when replicated weights do not fit). Clips already in
 --out are skipped, so a killed job reruns with the same command. ``--lora FILE_OR_DIR`` adds a
 diffusers-format Wan LoRA (ours, diffusers', finetrainers', DiffSynth-Studio's), scaled by
-``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself.
+``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself. On one process
+``--base-dtype fp8_scaled`` stores the blocks' weights in fp8 and ``--offload blocks`` keeps them in host
+memory, as a run with ``model.base_dtype`` and ``model.offload`` trained (and samples, by default).
 """
 
 from __future__ import annotations
@@ -110,6 +112,27 @@ def main(argv: list[str] | None = None) -> int:
         "GPUs, fp32 on CPUs (as train.mixed_precision). The VAE and image encoder stay fp32",
     )
     parser.add_argument(
+        "--base-dtype",
+        choices=("auto", "fp8_e4m3", "fp8_scaled", "precision"),
+        default="auto",
+        help="the transformer blocks' linear weights stored in fp8 (one scale per matrix, or per row: "
+        "fp8_scaled) and dequantised per layer, or in --precision's dtype (precision); auto: the run's "
+        "model.base_dtype when fp8, else precision (docs/lowmem.md)",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=("auto", "none", "blocks"),
+        default="auto",
+        help="keep --offload-blocks transformer blocks in host memory, each copied in for its forward "
+        "(blocks), or none; auto: blocks when the run trained with model.offload, else none",
+    )
+    parser.add_argument(
+        "--offload-blocks",
+        type=int,
+        default=None,
+        help="how many blocks --offload keeps on the host (default: all)",
+    )
+    parser.add_argument(
         "--hardware",
         default=None,
         help="cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
@@ -145,6 +168,14 @@ def run(args) -> int:
 
     requests = build_queue(args.prompt, args.prompts_file, request_defaults(args))
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    lowmem = (args.base_dtype, args.offload, args.offload_blocks)
+    if distributed and lowmem != ("auto", "auto", None):
+        raise ValueError(
+            "--base-dtype/--offload/--offload-blocks sample on one process; under torchrun drop them "
+            "(and shard the weights with --fsdp per_layer)"
+        )
+    if distributed:  # a run trained with fp8 or offload samples with its DiT's dtype here
+        lowmem = ("precision", "none", None)
     if distributed:
         from dynamic_cp.runtime.sampling import sampling_world
 
@@ -157,11 +188,12 @@ def run(args) -> int:
         dtype = autocast_dtype(args.precision, device) or torch.float32
         if args.pretrained:
             sampler = load_pretrained_sampler(
-                args.pretrained, args.lora, args.lora_scale, device, model_device=model_device, dtype=dtype
-            )
+                args.pretrained, args.lora, args.lora_scale, device, model_device=model_device, dtype=dtype,
+                lowmem=lowmem,
+            )  # fmt: skip
         else:
             sampler = load_checkpoint_sampler(
-                args.checkpoint, args.weights, args.lora, args.lora_scale, device, model_device, dtype
+                args.checkpoint, args.weights, args.lora, args.lora_scale, device, model_device, dtype, lowmem
             )
         shift = args.shift if args.shift is not None else sampler.shift
         check_requests(sampler.model, sampler.vae, requests)  # every request, before the first is sampled
@@ -170,6 +202,8 @@ def run(args) -> int:
         settings = f"{sampler.source}|shift={shift}|fps={args.fps}|upscale={args.upscale}|lora={args.lora}@{args.lora_scale}"
         if dtype != torch.float32:  # fp32 keeps the keys clips written before --precision existed have
             settings += f"|precision={dtype}"
+        if sampler.base_dtype != "precision":  # fp8 changes the clip; offload does not (bitwise)
+            settings += f"|base={sampler.base_dtype}"
         paths = {r.index: output_path(out, r, settings) for r in requests}
         if os.environ.get("RANK", "0") == "0":  # before any rank writes: others wait for its plan
             remove_partials(out)  # what a killed job was writing when it died
@@ -194,7 +228,7 @@ def run(args) -> int:
 
             memory = device_memory(device, args.memory_gb)
             if memory is not None:  # a request that cannot fit fails now, not after the others
-                check_memory(sampler.model, sampler.vae, requests, memory, resident_bytes(sampler))
+                check_memory(sampler.model, sampler.vae, requests, memory, resident_bytes(sampler), sampler)
             sample_queue(
                 sampler.model,
                 sampler.text_encoder,

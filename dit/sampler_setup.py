@@ -7,7 +7,7 @@ laid out).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,48 @@ class Sampler:
     out_dir: Path  # where clips go unless --out says otherwise
     source: str  # what the weights are, for the output files' keys
     image_encoder: object | None = None  # CLIP image tokens: image-to-video models with image_dim
+    base_dtype: str = "precision"  # --base-dtype as applied: fp8_e4m3, fp8_scaled, or the DiT's dtype
+    offloaders: list = field(default_factory=list)  # --offload: one BlockOffloader per VideoDiT
+
+    @property
+    def offload_blocks(self) -> int:
+        """Blocks of each VideoDiT whose weights wait in host memory (--offload)."""
+        return len(self.offloaders[0].swapped) if self.offloaders else 0
+
+
+def resolve_lowmem(model_cfg, base_dtype: str, offload: str) -> tuple[str, str]:
+    """``--base-dtype`` and ``--offload`` ``auto`` -> what the run trained with (``model_cfg``: its
+    ``model.base_dtype``, fp8 or not, and ``model.offload``, blocks or not), or for a ``--pretrained``
+    folder (``model_cfg`` None) the DiT's own dtype and no offload."""
+    if base_dtype == "auto":
+        run = "auto" if model_cfg is None else model_cfg.base_dtype
+        base_dtype = run if run.startswith("fp8") else "precision"
+    if offload == "auto":
+        offload = "none" if model_cfg is None or model_cfg.offload == "none" else "blocks"
+    return base_dtype, offload
+
+
+def store_for_sampling(model, base_dtype: str, offload: str, offload_blocks: int | None, device, dtype):
+    """``--base-dtype`` and ``--offload`` on a sampling model still on the CPU, in ``dtype``
+    (``sampling_weights``) -> its BlockOffloaders ([] without offload). The blocks' linears are
+    quantised after any LoRA is merged (the weights sampled are one fp8 matrix each, as musubi-tuner
+    merges before its fp8 optimisation); ``--lora``'s unmerged adapters keep ``dtype``."""
+    from dit.block_offload import BlockOffloader, models_of
+    from dit.fp8_base import store_base_in_fp8
+
+    if base_dtype.startswith("fp8"):
+        for name, p in model.named_parameters():  # store_base_in_fp8 converts the frozen linears only
+            p.requires_grad_(".lora_" in name)
+        store_base_in_fp8(model, per_row=base_dtype == "fp8_scaled", compute_dtype=dtype)
+    if offload == "none":
+        return []
+    dits = models_of(model)
+    layers = len(dits[0].blocks)
+    count = layers if offload_blocks is None else offload_blocks
+    if not 0 <= count <= layers:
+        raise ValueError(f"--offload-blocks {count}: the model has {layers} blocks; use 0 to {layers}")
+    # sampling recomputes nothing: each block's weights go back to the host after its forward
+    return [BlockOffloader(dit.blocks, device, count, lambda: False) for dit in dits]
 
 
 def load_checkpoint_sampler(
@@ -32,9 +74,12 @@ def load_checkpoint_sampler(
     device,
     model_device=None,
     dtype: torch.dtype = torch.float32,
+    lowmem: tuple[str, str, int | None] = ("precision", "none", None),
 ) -> Sampler:
     """``model_device``: where the DiT goes (default ``device``; the CPU when it is sharded next).
-    ``dtype``: the DiT's weights (``sampling_weights``) and the text encoder's; the VAE stays fp32."""
+    ``dtype``: the DiT's weights (``sampling_weights``) and the text encoder's; the VAE stays fp32.
+    ``lowmem``: --base-dtype, --offload (``auto``: as the run trained, ``resolve_lowmem``) and
+    --offload-blocks (None: all), as ``store_for_sampling`` takes them."""
     import yaml
 
     from dit.checkpoint import resolve_checkpoint
@@ -49,7 +94,10 @@ def load_checkpoint_sampler(
         )
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
     model = load_sampling_model(cfg, weights, lora, lora_scale)
-    model = sampling_weights(with_other_expert(cfg, model), dtype).to(model_device or device).eval()
+    model = sampling_weights(with_other_expert(cfg, model), dtype)
+    base_dtype, offload = resolve_lowmem(cfg.model, *lowmem[:2])
+    offloaders = store_for_sampling(model, base_dtype, offload, lowmem[2], device, dtype)
+    model = model.to(model_device or device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device, dtype)
     vae = build_vae(cfg.data, device)
     image_encoder = None
@@ -65,6 +113,8 @@ def load_checkpoint_sampler(
         step_dir.parent.parent / "samples",
         str(weights.resolve()),
         image_encoder,
+        base_dtype,
+        offloaders,
     )
 
 
@@ -171,6 +221,7 @@ def load_pretrained_sampler(
     text_max_length: int = 512,
     model_device=None,
     dtype: torch.dtype = torch.float32,
+    lowmem: tuple[str, str, int | None] = ("precision", "none", None),
 ) -> Sampler:
     """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
     (``dit/wan_import.py``; a Wan2.2 A14B folder's two experts as one ``dit.experts.ExpertPair``), its
@@ -178,7 +229,7 @@ def load_pretrained_sampler(
     and ``image_processor/`` (``data/image_encoders.py``). ``model_device``: where the DiT goes
     (default ``device``; the CPU when it is sharded next). ``dtype``: the DiT's and the text encoder's
     weights (``sampling_weights``); the VAE and image encoder stay fp32, as diffusers' Wan examples
-    load them."""
+    load them. ``lowmem``: as ``load_checkpoint_sampler``'s (``auto``: the DiT's dtype, no offload)."""
     from data.text_encoders import load_text_encoder
     from data.vaes import load_vae, wan_vae_kind
     from dit.sample_conditioning import data_channels
@@ -211,7 +262,10 @@ def load_pretrained_sampler(
     else:  # diffusers runs transformer/ alone when a pipeline has no boundary_ratio
         model = load_pretrained(path, dtype, expert="high" if is_two_expert(index) else None)
         add_lora(model, lora, lora_scale)
-    model = sampling_weights(model, dtype).to(model_device or device).eval()
+    model = sampling_weights(model, dtype)
+    base_dtype, offload = resolve_lowmem(None, *lowmem[:2])
+    offloaders = store_for_sampling(model, base_dtype, offload, lowmem[2], device, dtype)
+    model = model.to(model_device or device).eval()
     text_encoder = load_text_encoder(
         "umt5", path, max_length=text_max_length, device=str(device), dtype=dtype
     )
@@ -238,5 +292,6 @@ def load_pretrained_sampler(
             )
         image_encoder = load_image_encoder(path, str(device))  # its image_encoder/ and image_processor/
     return Sampler(
-        model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()), image_encoder
-    )
+        model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()), image_encoder,
+        base_dtype, offloaders,
+    )  # fmt: skip

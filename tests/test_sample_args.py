@@ -45,7 +45,7 @@ def test_defaults_are_the_documented_ones(parsed):
         frames=9, height=16, width=16, steps=30, guidance=4.0, guidance_2=None, shift=None,
         negative_prompt="", image=None, last_image=None, seed=0, fps=8, upscale=1, grid=False, lora=None,
         lora_scale=1.0, out=None, cfg_parallel="auto", memory_gb=None, fsdp="auto", precision="auto",
-        hardware=None, debug=False,
+        base_dtype="auto", offload="auto", offload_blocks=None, hardware=None, debug=False,
     )  # fmt: skip
     # what a queue line that sets nothing gets: no image is "", --guidance-2 unset is None (--guidance)
     assert defaults == dict(
@@ -62,6 +62,7 @@ def test_every_flag_parses_to_its_type_and_reaches_the_requests(parsed):
         "--image", "first.png", "--last-image", "last.png", "--seed", "11", "--fps", "16", "--upscale", "3",
         "--grid", "--lora", "style.safetensors", "--lora-scale", "0.5", "--out", "clips", "--cfg-parallel",
         "off", "--memory-gb", "80", "--fsdp", "per_layer", "--precision", "bf16", "--hardware", "a100",
+        "--base-dtype", "fp8_scaled", "--offload", "blocks", "--offload-blocks", "3",
     )  # fmt: skip
     assert code == 0
     assert vars(args) == dict(
@@ -69,10 +70,21 @@ def test_every_flag_parses_to_its_type_and_reaches_the_requests(parsed):
         weights="model", frames=5, height=24, width=40, steps=7, guidance=2.5, guidance_2=3.5, shift=5.0,
         negative_prompt="blurry", image="first.png", last_image="last.png", seed=11, fps=16, upscale=3,
         grid=True, lora="style.safetensors", lora_scale=0.5, out="clips", cfg_parallel="off", memory_gb=80.0,
-        fsdp="per_layer", precision="bf16", hardware="a100", debug=False,
+        fsdp="per_layer", precision="bf16", base_dtype="fp8_scaled", offload="blocks", offload_blocks=3,
+        hardware="a100", debug=False,
     )  # fmt: skip
-    typed = {k: type(v) for k, v in vars(args).items() if k in ("frames", "guidance", "memory_gb", "seed")}
-    assert typed == {"frames": int, "guidance": float, "seed": int, "memory_gb": float}  # 5 == 5.0 above
+    typed = {
+        k: type(v)
+        for k, v in vars(args).items()
+        if k in ("frames", "guidance", "memory_gb", "seed", "offload_blocks")
+    }
+    assert typed == {
+        "frames": int,
+        "guidance": float,
+        "seed": int,
+        "memory_gb": float,
+        "offload_blocks": int,
+    }  # 5 == 5.0 above
     assert defaults == dict(
         frames=5, height=24, width=40, steps=7, guidance=2.5, guidance_2=3.5, seed=11,
         negative_prompt="blurry", image="first.png", last_image="last.png",
@@ -99,6 +111,9 @@ def test_upscale_below_1_exits_2_naming_it_and_debug_shows_the_traceback(parsed,
         (["--checkpoint", "r", "--cfg-parallel", "on"], "invalid choice: 'on'"),
         (["--checkpoint", "r", "--fsdp", "full"], "invalid choice: 'full'"),
         (["--checkpoint", "r", "--precision", "fp16"], "invalid choice: 'fp16'"),
+        (["--checkpoint", "r", "--base-dtype", "fp8"], "invalid choice: 'fp8'"),
+        (["--checkpoint", "r", "--offload", "blocks+activations"], "invalid choice: 'blocks+activations'"),
+        (["--checkpoint", "r", "--offload-blocks", "all"], "invalid int value: 'all'"),
         (["--checkpoint", "r", "--frames", "9.5"], "invalid int value: '9.5'"),
         (["--checkpoint", "r", "--guidance", "high"], "invalid float value: 'high'"),
         (["--checkpoint", "r", "--grid", "yes"], "unrecognized arguments: yes"),

@@ -223,6 +223,11 @@ def _one_model(
     )
 
 
+def block_params(dims: ModelDims) -> float:
+    """Parameters of one transformer block: num_params less the patch embedding and head, over the layers."""
+    return (dims.num_params - dims.patch_values * dims.d) / dims.layers
+
+
 def _lora_placement(
     one: MemoryBreakdown, dims: ModelDims, base_bytes: int, offload_blocks: int, offload_activations: bool
 ) -> MemoryBreakdown:
@@ -237,7 +242,7 @@ def _lora_placement(
     L = dims.layers
     if not 0 <= offload_blocks <= L:
         raise ValueError(f"offload_blocks={offload_blocks}: the model has {L} blocks; use 0 to {L}")
-    per_block = (dims.num_params - dims.patch_values * dims.d) / L
+    per_block = block_params(dims)
     on_gpu_blocks = L - offload_blocks + min(offload_blocks, 2)
     adapters_bf16 = one.compute_weights - 2 * dims.num_params  # the adapters' bf16 copies, 2A
     base_gpu = base_bytes * (dims.num_params - per_block * (L - on_gpu_blocks))
@@ -361,11 +366,27 @@ def planning_token_cap(
 
 
 # ---------------------------------------------------------------- sampling: forward passes only
-def weight_bytes(dims: ModelDims, shards: int = 1, value_bytes: int = BYTES_BF16) -> float:
+def weight_bytes(
+    dims: ModelDims,
+    shards: int = 1,
+    value_bytes: int = BYTES_BF16,
+    base_bytes: int | None = None,
+    offload_blocks: int = 0,
+) -> float:
     """DiT weights one rank holds while sampling, ``value_bytes`` a parameter (2: bf16, 4: fp32): all of
     them replicated (``shards`` 1), else its 1/``shards`` of them plus two gathered blocks (the one
-    running and the one FSDP prefetches), never more than all of them (a model of one or two blocks)."""
+    running and the one FSDP prefetches), never more than all of them (a model of one or two blocks).
+    Replicated only, sample.py's ``--base-dtype`` and ``--offload``: the blocks at ``base_bytes`` a
+    weight (1: fp8; None: ``value_bytes``), ``offload_blocks`` of them on the host, two of which (the
+    running one and the prefetched one) are on the device at a time, as training's ``_lora_placement``."""
     total = value_bytes * dims.num_params
+    if base_bytes is not None or offload_blocks:
+        if shards > 1:
+            raise ValueError("weight_bytes: fp8 blocks and offload price replicated weights (shards=1)")
+        per_block = block_params(dims)
+        on_device = dims.layers - offload_blocks + min(offload_blocks, 2)
+        blocks = (value_bytes if base_bytes is None else base_bytes) * per_block * on_device
+        return total - value_bytes * per_block * dims.layers + blocks
     if shards <= 1:
         return total
     return min(total, total / shards + 2 * total / dims.layers)
@@ -378,15 +399,19 @@ def sampling_token_cap(
     shards: int = 1,
     value_bytes: int = BYTES_BF16,
     resident_bytes: float = 0.0,
+    base_bytes: int | None = None,
+    offload_blocks: int = 0,
 ) -> int:
     """Tokens one rank can hold in a sampling forward: the weights (``weight_bytes``: replicated, or
     FSDP-sharded over ``shards`` ranks), ``resident_bytes`` of other models every rank keeps (the text
     encoder, the VAE), and the working set of one block per token (nothing is kept for a backward), in
-    the compute dtype of ``value_bytes`` (2: bf16, 4: fp32)."""
-    weights = weight_bytes(dims, shards, value_bytes)
+    the compute dtype of ``value_bytes`` (2: bf16, 4: fp32); ``base_bytes`` and ``offload_blocks``: as
+    ``weight_bytes``."""
+    weights = weight_bytes(dims, shards, value_bytes, base_bytes, offload_blocks)
     free = memory_bytes * memory_fraction - weights - resident_bytes
     per_token = (16 * dims.d + 2 * dims.ffn) * value_bytes
     if free < per_token:
+        plain_replicated = shards <= 1 and base_bytes is None and not offload_blocks
         how = "shard them with --fsdp per_layer, or use" if shards <= 1 else "sample on more ranks or"
         dtype = {2: "bf16", 4: "fp32"}.get(value_bytes, f"{value_bytes}-byte")
         beside = f" next to {resident_bytes / 1e9:.1f} GB of text encoder and VAE" if resident_bytes else ""
@@ -395,6 +420,7 @@ def sampling_token_cap(
             f"{'' if shards <= 1 else f', sharded over {shards}'}){beside} do not fit in "
             f"{memory_bytes / 1e9:.0f} GB per rank; {how} larger GPUs"
             + (" (or --precision bf16)" if value_bytes > BYTES_BF16 else "")
+            + ("; on one process, --base-dtype fp8_scaled --offload blocks" if plain_replicated else "")
         )
     return int(free // per_token)
 

@@ -72,11 +72,14 @@ def plan_queue(
     sharded: bool = False,
     resident_bytes: float = 0.0,
     shift=None,
+    base_bytes: int | None = None,
+    offload_blocks: int = 0,
 ) -> SamplingPlan:
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
     (memory priced with 1/W of the weights; lockstep rounds, in two expert phases for two experts at
     the run's ``shift``). Memory is priced in the DiT's compute dtype, next to ``resident_bytes`` of
-    the other models on every rank (``resident_bytes(sampler)``)."""
+    the other models on every rank (``resident_bytes(sampler)``); ``base_bytes`` and ``offload_blocks``:
+    the blocks' storage (sample.py's --base-dtype, --offload), as ``memory.weight_bytes`` prices them."""
     jobs = sampling_jobs(model, vae, requests, shift)
     value_bytes = compute_dtype(model).itemsize  # 2: bf16 (--precision bf16), 4: fp32
     if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
@@ -87,8 +90,14 @@ def plan_queue(
         None
         if memory_bytes is None
         else sampling_token_cap(
-            cost.dims, memory_bytes, shards=shards, value_bytes=value_bytes, resident_bytes=resident_bytes
-        )
+            cost.dims,
+            memory_bytes,
+            shards=shards,
+            value_bytes=value_bytes,
+            resident_bytes=resident_bytes,
+            base_bytes=base_bytes,
+            offload_blocks=offload_blocks,
+        )  # fmt: skip
     )
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel, sharded=sharded)
 
@@ -129,14 +138,19 @@ def plan_with_weights(
 
 
 def check_memory(
-    model, vae, requests: list[SampleRequest], memory_bytes: float, resident: float = 0.0
+    model, vae, requests: list[SampleRequest], memory_bytes: float, resident: float = 0.0, sampler=None
 ) -> None:
     """One process: a ValueError naming the first request whose forward does not fit
     ``memory_bytes`` next to ``resident`` bytes of other models (the planner's check on a world of
-    one rank)."""
+    one rank), the blocks stored and placed as ``sampler`` has them (--base-dtype, --offload)."""
+    fp8 = sampler is not None and sampler.base_dtype.startswith("fp8")
+    offload = 0 if sampler is None else sampler.offload_blocks
     dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
     cost = CostModel(dims, Hardware.load("h100")).forward()
-    plan_queue(model, vae, requests, 1, cost, memory_bytes, True, resident_bytes=resident)
+    plan_queue(
+        model, vae, requests, 1, cost, memory_bytes, True, resident_bytes=resident,
+        base_bytes=1 if fp8 else None, offload_blocks=offload,
+    )  # fmt: skip
 
 
 def resident_bytes(sampler) -> int:
