@@ -23,12 +23,16 @@ import statistics
 import time
 
 import torch
+
+# isort: off
 from dit.attention import PackedAttention  # first: importing dit hides bitsandbytes' stderr line
 from dit.block_offload import BlockOffloader, frozen_tensors
 from dit.fp8_base import store_base_in_fp8
 from dit.model import VideoDiT
 from dit.packing import pack
-from peft import LoraConfig, inject_adapter_in_model  # noqa: E402,I001  after dit, see above
+from peft import LoraConfig, inject_adapter_in_model  # after dit, see above
+
+# isort: on
 
 
 def build(layers: int, dim: int) -> VideoDiT:

@@ -26,7 +26,13 @@ from dit.sizes import model_kwargs
 from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.memory import FSDP_MODES
 from dynamic_cp.runtime.run_memory import MEMORY_FRACTION
-from dynamic_cp.runtime.step_plans import build_cost_model, cap_tokens_of, make_plan_fn
+from dynamic_cp.runtime.step_plans import (
+    build_cost_model,
+    cap_tokens_of,
+    cp_sizes_of,
+    make_plan_fn,
+    stage_layers_of,
+)
 
 GB = 1e9
 
@@ -166,19 +172,19 @@ def echo_pipeline(cfg: Config, cm, world_size: int, lengths, echo: Callable[[str
     from dynamic_cp.planning.baselines import static_plan
     from dynamic_cp.planning.memory import stage_memory
     from dynamic_cp.planning.pipeline_order import plan_for_pipeline
-    from dynamic_cp.planning.pipeline_sim import default_stage_layers, simulate_pipeline
+    from dynamic_cp.planning.pipeline_sim import simulate_pipeline
     from dynamic_cp.planning.pipeline_stages import check_pipeline
 
     pp, schedule = cfg.parallel.pp_size, cfg.parallel.pp_schedule
     check_pipeline(world_size, pp, cm.dims.layers)
     R, cap = world_size // pp, cap_tokens_of(cfg)
-    layers = list(cfg.parallel.pp_layers or default_stage_layers(cm.dims, pp))
+    layers = stage_layers_of(cfg, cm.dims)
     head = f"pipeline: {pp} stages x {R} ranks, blocks {layers}, parallel.pp_schedule={schedule}"
     if lengths is not None:
         if cfg.parallel.mode == "dynamic":
-            plan = plan_for_pipeline(lengths, R, cap, cm, layers, schedule)
+            plan = plan_for_pipeline(lengths, R, cap, cm, layers, schedule, cp_sizes=cp_sizes_of(cfg, R))
         else:
-            plan = static_plan(lengths, R, cap, cm)
+            plan = static_plan(lengths, R, cap, cm, cp_sizes=cp_sizes_of(cfg, R))
         s = simulate_pipeline(plan, lengths, cm, layers, schedule)
         hist = ", ".join(f"CP{c} x{n}" for c, n in sorted(plan.cp_histogram().items()))
         echo(

@@ -161,16 +161,18 @@ def plan_for_pipeline(
     layers_per_stage: list[int],
     schedule: str = "1f1b",
     evals: int = 48,
+    cp_sizes=None,
 ) -> Plan:
-    """Dynamic-CP under PP: the planner's plan with its default CP sizes and with the sizes from a
-    node up, at each of ``CAP_FRACTIONS`` of the cap, each ordered by ``order_for_pipeline``'s
-    candidates alone; the fastest gets the local search. ``cap_tokens`` stays the plan's cap."""
+    """Dynamic-CP under PP: the planner's plan with the allowed CP sizes (``cp_sizes``, default the
+    planner's) and with those from a node up, at each of ``CAP_FRACTIONS`` of the cap, each ordered
+    by ``order_for_pipeline``'s candidates alone; the fastest gets the local search. ``cap_tokens``
+    stays the plan's cap."""
     from dynamic_cp.planning.planner import plan as dynamic_plan
 
     t0 = time.perf_counter()
-    sizes = normalize_cp_sizes(ranks_per_stage)
+    sizes = normalize_cp_sizes(ranks_per_stage, cp_sizes)
     node = min(cost_model.hw.gpus_per_node, ranks_per_stage)
-    choices = [None]
+    choices = [sizes]
     if any(c < node for c in sizes):
         choices.append(tuple(c for c in sizes if c >= node))
     best, first_error = None, None

@@ -38,11 +38,12 @@ from dit.checkpoint import kill_point_for_tests, resolve_checkpoint
 from dit.clips import micro_batch_loss
 from dit.config import Config
 from dit.optim import optimizer_class, optimizer_kwargs
-from dit.setup import clip_tokens, model_config_of, vae_stride
+from dit.setup import clip_tokens, vae_stride
 from dit.trainer import Trainer
 from dynamic_cp.attention.comm_clock import CommClock
 from dynamic_cp.attention.cp_attention import make_cp_attention
 from dynamic_cp.runtime.cost_learning import STATE_FILE, build_learner, write_timeline
+from dynamic_cp.runtime.fsdp import model_dims_of
 from dynamic_cp.runtime.groups import build_cp_groups
 from dynamic_cp.runtime.iterator import DynamicCPBatches, StepBatch
 from dynamic_cp.runtime.pipeline import (
@@ -110,7 +111,7 @@ class DistributedTrainer(Trainer):
         self.is_main = self.rank == 0
         # parallel.pp_size > 1: this rank's stage (dynamic_cp/runtime/pipeline.py); the plan, the
         # data flow, gradients and ZeRO-1 then live on the stage's ranks, the plan's world
-        self.pipeline = build_pipeline(cfg, world, model_config_of(cfg.model)["num_layers"])
+        self.pipeline = build_pipeline(cfg, world, model_dims_of(cfg))
         pipe = self.pipeline
         self.plan_size, self.plan_rank = (
             (pipe.plan_size, pipe.plan_rank) if pipe else (self.world_size, self.rank)

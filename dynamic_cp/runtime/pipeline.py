@@ -47,7 +47,8 @@ from dit.flow import flow_loss
 from dit.stages import CARRIED, StagePart, carried_shapes, keep_stage, stage_frame
 from dynamic_cp.attention.comm_clock import CommClock
 from dynamic_cp.planning.pipeline_schedule import rank_ops, stage_ops
-from dynamic_cp.planning.pipeline_stages import check_pipeline, layer_ranges, stage_layers, stage_ranks
+from dynamic_cp.planning.pipeline_stages import check_pipeline, layer_ranges, stage_ranks
+from dynamic_cp.runtime.step_plans import stage_layers_of
 from dynamic_cp.runtime.step_stats import StepTimeline
 
 
@@ -83,21 +84,16 @@ class Pipeline:
         keep_stage(model, self.layers, self.first, self.last)
 
 
-def build_pipeline(cfg, world: dist.ProcessGroup, num_layers: int) -> Pipeline | None:
+def build_pipeline(cfg, world: dist.ProcessGroup, dims) -> Pipeline | None:
     """This rank's ``Pipeline`` for ``parallel.pp_size`` (None for 1); call on every rank: it creates
     one process group per stage, every rank all of them in the same order."""
     p = cfg.parallel
     world_size, rank = dist.get_world_size(world), dist.get_rank(world)
-    check_pipeline(world_size, p.pp_size, num_layers)
+    check_pipeline(world_size, p.pp_size, dims.layers)
     if p.pp_size == 1:
         return None
     check_pipeline_options(cfg)
-    per_stage = p.pp_layers if p.pp_layers is not None else stage_layers(num_layers, p.pp_size)
-    if sum(per_stage) != num_layers:
-        raise ValueError(
-            f"parallel.pp_layers={list(per_stage)} sums to {sum(per_stage)} blocks but the model has "
-            f"{num_layers}; list counts that add up to {num_layers} (or null to balance them)"
-        )
+    per_stage = stage_layers_of(cfg, dims)  # the split the planner prices
     groups = [dist.new_group(stage_ranks(world_size, p.pp_size, s)) for s in range(p.pp_size)]
     plan_size = world_size // p.pp_size
     stage = rank // plan_size

@@ -15,6 +15,8 @@ from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.groups_layout import default_cp_sizes, normalize_cp_sizes
 from dynamic_cp.planning.hardware import Hardware
 from dynamic_cp.planning.model_dims import ModelDims
+from dynamic_cp.planning.pipeline_order import plan_for_pipeline
+from dynamic_cp.planning.pipeline_sim import default_stage_layers
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.planning.rounds_planner import plan_for_mode
 
@@ -57,6 +59,21 @@ def build_cost_model(cfg: Config, model_config, hardware: Hardware | None = None
     )
 
 
+def stage_layers_of(cfg: Config, dims: ModelDims) -> list[int]:
+    """Blocks per pipeline stage: ``parallel.pp_layers``, or the split the simulator and --dry-run
+    price (``default_stage_layers``: least bottleneck, the embedders' and head's work counted)."""
+    p = cfg.parallel
+    layers = (
+        [int(n) for n in p.pp_layers] if p.pp_layers is not None else default_stage_layers(dims, p.pp_size)
+    )
+    if sum(layers) != dims.layers:
+        raise ValueError(
+            f"parallel.pp_layers={layers} sums to {sum(layers)} blocks but the model has {dims.layers}; "
+            f"list counts that add up to {dims.layers} (or null to balance them)"
+        )
+    return layers
+
+
 def make_plan_fn(
     cfg: Config, cost_model: CostModel, world_size: int, fsdp: str = "none"
 ) -> Callable[[list[int]], Plan]:
@@ -66,6 +83,14 @@ def make_plan_fn(
     is cut into greedy rounds by the trainer, as the simulator cuts it."""
     cap = cap_tokens_of(cfg)
     sizes = cp_sizes_of(cfg, world_size)
+    p = cfg.parallel
+    if p.mode == "dynamic" and p.pp_size > 1:
+        # under pipeline stages: CP sizes, packing and micro-batch order chosen for the stages'
+        # 1F1B/GPipe step (planning/pipeline_order.py); the runtime runs the list in this order
+        layers = stage_layers_of(cfg, cost_model.dims)
+        return lambda lengths: plan_for_pipeline(
+            lengths, world_size, cap, cost_model, layers, p.pp_schedule, cp_sizes=sizes
+        )
     if cfg.parallel.mode == "dynamic":
         return lambda lengths: plan_for_mode(lengths, world_size, cap, cost_model, fsdp, cp_sizes=sizes)
     if cfg.parallel.mode == "static":
