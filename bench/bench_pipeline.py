@@ -57,7 +57,9 @@ def _cfg(out: str, **extra):
 def one_process(out: str, steps: int) -> list[float]:
     torch.set_num_threads(1)  # as each gloo rank runs
     trainer = Trainer(_cfg(out, **{"parallel.mode": "none"}), device=torch.device("cpu"))
-    sampler = GlobalBatchSampler(trainer.train_indices, trainer.cfg.train.global_batch_size, trainer.cfg.data.seed)
+    sampler = GlobalBatchSampler(
+        trainer.train_indices, trainer.cfg.train.global_batch_size, trainer.cfg.data.seed
+    )
     times = []
     for s in range(steps + 1):  # step 0 warms up
         clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
@@ -95,7 +97,11 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
         one = one_process(f"{tmp}/one", args.steps)
-        pp1 = {"parallel.pp_size": 2, "parallel.mode": "dynamic", "parallel.cap_tokens": 1200}  # R=1: one rank a clip
+        pp1 = {
+            "parallel.pp_size": 2,
+            "parallel.mode": "dynamic",
+            "parallel.cap_tokens": 1200,
+        }  # R=1: one rank a clip
         pp2 = run_gloo(pipelined, 2, f"{tmp}/pp2", args.steps, [pp1], timeout_s=600)
         one += one_process(f"{tmp}/one_again", args.steps)
         t_one, t_pp = statistics.median(one), statistics.median(pp2[0]["times"][0])
