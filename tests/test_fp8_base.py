@@ -2,7 +2,8 @@
 scales against outliers, gradients to adapters only, and torch._scaled_mm parity on CPU.
 
 Plants seen to fail: a scale applied twice in ``dequantize`` (the error-bound test); a norm cast to
-fp8 by ``store_base_in_fp8`` (test_only_block_linears_are_fp8...); ``_FP8Matmul.backward`` using the
+fp8 by ``store_base_in_fp8``, by type or its values rounded through fp8 in place
+(test_only_block_linears_are_fp8...); ``_FP8Matmul.backward`` using the
 weight without its scale (the gradient test); the trainer leaving the base in bf16 (the run test).
 """
 
@@ -85,7 +86,13 @@ def test_only_block_linears_are_fp8_and_adapters_get_grads():
     inject_adapter_in_model(LoraConfig(r=4, target_modules=["to_q"], init_lora_weights=False), net)
     for n, p in net.named_parameters():
         p.requires_grad_(".lora_" in n)
+    with torch.no_grad():  # norms' own weights (a fresh one is all 1.0: exact in fp8 too)
+        for block in net.blocks:
+            block.norm.weight.uniform_(0.5, 1.5)
+    before = {n: t.clone() for n, t in net.named_parameters()}
     assert store_base_in_fp8(net, per_row=True, compute_dtype=torch.float32) == 2
+    for n, t in net.named_parameters():  # every tensor that is not a block linear's weight: untouched
+        assert torch.equal(t, before[n]) and t.dtype == before[n].dtype, n  # (a norm rounded via fp8 fails)
     for n, t in [*net.named_parameters(), *net.named_buffers()]:
         assert (t.dtype == FP8) == n.endswith("weight_fp8"), n  # norms, tables, embed, head, adapters
         if t.dtype == FP8:
