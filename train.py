@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="config overrides such as train.max_steps=200")
     add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     if args.resume and "=" in args.resume and not os.path.exists(args.resume):
         # `--resume train.max_steps=2000`: argparse took the override as the optional path
         args.overrides.insert(0, args.resume)

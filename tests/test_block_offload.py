@@ -191,7 +191,9 @@ def test_dry_run_shows_the_24_gb_recipe_fits_with_its_block_count(capsys):
     out = capsys.readouterr().out
     assert "does not fit in 90% of 24 GB (estimate) at 32,768 tokens" in out
     assert "try model.base_dtype=fp8_scaled, model.offload=blocks" in out
-    train.main([*argv, "model.base_dtype=fp8_scaled", "model.offload=blocks+activations"])
+    # the word order: overrides before the flags and after them (parse_intermixed_args)
+    recipe = ["model.base_dtype=fp8_scaled", "model.offload=blocks+activations"]
+    train.main(["--config", config, *recipe, "--dry-run", "--world-size", "1", "parallel.memory_gb=24"])
     out = capsys.readouterr().out
     assert (
         "fits in 90% of 24 GB (estimate) at 32,768 tokens a rank with base_dtype=fp8_scaled + offload 7"
