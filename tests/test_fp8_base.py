@@ -175,3 +175,24 @@ def test_a_lora_run_on_an_fp8_base_trains_and_resumes_exactly(tmp_path):
     run("bf16", **{"model.base_dtype": "bf16", "train.mixed_precision": "bf16", "train.max_steps": 1})
     keys = {k for k in load_file(str(tmp_path / "whole" / "pytorch_lora_weights.safetensors"))}
     assert keys == set(load_file(str(tmp_path / "bf16" / "pytorch_lora_weights.safetensors")))
+
+
+def test_scales_by_hand_a_zero_row_and_the_plain_linears_of_a_block():
+    """Mutation-driven (tools/mutation.py dit/fp8_base.py): the scale is amax / 448 exactly, also for
+    a row whose amax is under 1; a row of zeros gets scale 1 and values 0 (not 0 / 0); a block's
+    own nn.Linear (no peft around it) is converted; ``.weight`` is the dequantised matrix; the repr
+    names the storage; ``base_storage_dtype`` maps the names."""
+    from dit.fp8_base import base_storage_dtype
+
+    w = torch.tensor([[0.5, -0.25], [0.0, 0.0], [3.0, 1.0]])
+    values, scale = quantize(w, per_row=True)
+    assert torch.equal(scale, torch.tensor([[0.5 / 448], [1.0], [3.0 / 448]]))
+    assert torch.equal(values[1].float(), torch.zeros(2)) and values.float().abs().amax() == 448
+    net = _Net().requires_grad_(False)  # frozen: what store_base_in_fp8 converts
+    assert store_base_in_fp8(net, per_row=False, compute_dtype=torch.float32) == 2
+    layer = net.blocks[0].to_q
+    assert isinstance(layer, FP8Linear) and "fp8 e4m3 per-tensor, compute torch.float32" in repr(layer)
+    assert torch.equal(layer.weight, dequantize(layer.weight_fp8, layer.weight_scale, torch.float32))
+    assert base_storage_dtype("fp8_scaled", torch.float32) == torch.float32
+    assert base_storage_dtype("bf16", torch.bfloat16) == torch.bfloat16
+    assert base_storage_dtype("fp32", torch.bfloat16) == torch.float32

@@ -98,6 +98,8 @@ TARGETS: dict[str, list[str]] = {
     ],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
     "dit/optim.py": ["tests/test_optim.py"],
+    "dit/fp8_base.py": ["tests/test_fp8_base.py"],
+    "dit/block_offload.py": ["tests/test_block_offload.py"],
     "dit/sampling.py": [
         "tests/test_sampling_steps.py",
         "tests/test_sampling_guidance.py",
