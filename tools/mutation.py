@@ -119,7 +119,7 @@ TARGETS: dict[str, list[str]] = {
     # spawned gloo ranks (~10 s a world size): the W=3 and W=4 parity cases and the stage checkpoint
     "dynamic_cp/runtime/pipeline.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
     "dynamic_cp/runtime/pipeline_checkpoint.py": ["tests/test_pipeline.py", "-k", "checkpoint"],
-    "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
+    "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4 or carried"],
     "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [
         "tests/test_config_validation.py",
