@@ -224,3 +224,41 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
                 rtol=4 * U * STEPS,
                 msg=lambda m, name=name, pp=pp: f"resumed at pp_size={pp}: {name}: {m}",
             )
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_carried_shapes_are_what_embed_makes(per_token):
+    """A receiver's buffers (``carried_shapes``, from the frame alone) have the shapes stage 0 sends:
+    per-clip and per-token (TI2V) timesteps, an image-conditioned (I2V) model's image context, an
+    empty shard; no process is spawned."""
+    from dit.model import VideoDiT
+    from dit.stages import CARRIED, carried_shapes
+
+    model = VideoDiT(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        text_dim=20,
+        freq_dim=16,
+        ffn_dim=40,
+        num_layers=1,
+        image_dim=8,
+        added_kv_proj_dim=24,
+    )
+    for n in (0, 7):
+        seq_lens = torch.tensor([n - n // 2, n // 2])
+        tokens, positions = torch.randn(n, 16), torch.zeros(n, 3, dtype=torch.long)
+        text, text_lens = torch.randn(5, 20), torch.tensor([2, 3])
+        extra = {"image": torch.randn(2, 3, 8)}
+        if per_token:  # three distinct values over the tokens held here
+            extra["token_timesteps"] = torch.tensor([0.0, 500.0, 900.0] * 3)[:n]
+        x, inputs = model.embed(
+            tokens, positions, seq_lens, torch.tensor([500.0, 900.0]), text, text_lens, **extra
+        )
+        frame, _ = model.frame(positions, seq_lens, torch.tensor([500.0, 900.0]), text_lens, **extra)
+        got = dict(carried_shapes(model, frame, n))
+        want = {"x": tuple(x.shape), **{k: tuple(getattr(inputs, k).shape) for k in CARRIED}}
+        if per_token and n == 0:  # no token: no modulation row is read (u = 0 rows)
+            want["modulation"], want["temb"] = (0, 6, 24), (0, 24)
+        assert got == want, (n, per_token)

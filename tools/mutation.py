@@ -121,7 +121,7 @@ TARGETS: dict[str, list[str]] = {
     # spawned gloo ranks (~10 s a world size): the W=3 and W=4 parity cases and the stage checkpoint
     "dynamic_cp/runtime/pipeline.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
     "dynamic_cp/runtime/pipeline_checkpoint.py": ["tests/test_pipeline.py", "-k", "checkpoint"],
-    "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
+    "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4 or carried"],
     "dynamic_cp/planning/pipeline_sim.py": ["tests/test_pipeline_sim.py"],
     "dynamic_cp/planning/pipeline_order.py": ["tests/test_pipeline_order.py"],
     "dynamic_cp/planning/compare_pipeline.py": ["tests/test_pipeline_order.py"],
