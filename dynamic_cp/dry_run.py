@@ -170,7 +170,7 @@ def echo_pipeline(cfg: Config, cm, world_size: int, lengths, echo: Callable[[str
     fraction and each stage's memory per GPU (``memory.stage_memory``'s planning convention). Without
     the data (``lengths`` None): the memory of 1F1B's pp - stage micro-batches in flight at the cap."""
     from dynamic_cp.planning.baselines import static_plan
-    from dynamic_cp.planning.memory import stage_memory
+    from dynamic_cp.planning.pipeline_memory import stage_memory
     from dynamic_cp.planning.pipeline_order import plan_for_pipeline
     from dynamic_cp.planning.pipeline_sim import simulate_pipeline
     from dynamic_cp.planning.pipeline_stages import check_pipeline

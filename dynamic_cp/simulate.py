@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 def run_pipeline(args, cm: CostModel, world: int) -> None:
     """One world size on ``args.pp`` stages: the pipeline table (and Gantt charts)."""
     from dynamic_cp.planning.compare_pipeline import compare_pipeline, format_pipeline_rows, work_bound
-    from dynamic_cp.planning.memory import pipeline_token_cap
+    from dynamic_cp.planning.pipeline_memory import pipeline_token_cap
     from dynamic_cp.planning.pipeline_sim import default_stage_layers, gantt_pipeline
     from dynamic_cp.planning.pipeline_stages import check_pipeline
 

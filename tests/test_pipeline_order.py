@@ -285,7 +285,7 @@ def test_plan_for_pipeline_raises_the_planners_error_when_nothing_fits():
 
 
 def test_work_bound_terms_and_row_memory():
-    from dynamic_cp.planning.memory import stage_memory
+    from dynamic_cp.planning.pipeline_memory import stage_memory
     from dynamic_cp.planning.simulator import best_single_time
 
     many = [2_000] * 64

@@ -125,6 +125,7 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/planning/pipeline_sim.py": ["tests/test_pipeline_sim.py"],
     "dynamic_cp/planning/pipeline_order.py": ["tests/test_pipeline_order.py"],
     "dynamic_cp/planning/compare_pipeline.py": ["tests/test_pipeline_order.py"],
+    "dynamic_cp/planning/pipeline_memory.py": ["tests/test_pipeline_order.py", "tests/test_pipeline_sim.py"],
     "data/native_stderr.py": ["tests/test_data_robustness.py", "-k", "native"],
     "dit/config.py": [
         "tests/test_config_validation.py",

@@ -16,7 +16,7 @@ import numpy as np
 
 from dynamic_cp.planning.compare import METHODS, run_method
 from dynamic_cp.planning.cost_model import CostModel
-from dynamic_cp.planning.memory import stage_memory
+from dynamic_cp.planning.pipeline_memory import stage_memory
 from dynamic_cp.planning.pipeline_order import plan_for_pipeline
 from dynamic_cp.planning.pipeline_sim import (
     PipelineSchedule,

@@ -47,8 +47,9 @@ import numpy as np
 from dit.flops import linear_flops_per_token, patch_flops_per_token
 from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.fsdp_cost import BYTES_FP32, collective_s
-from dynamic_cp.planning.memory import BYTES_BF16, stage_params
+from dynamic_cp.planning.memory import BYTES_BF16
 from dynamic_cp.planning.model_dims import ModelDims
+from dynamic_cp.planning.pipeline_memory import stage_params
 from dynamic_cp.planning.pipeline_schedule import stage_ops
 from dynamic_cp.planning.pipeline_stages import stage_layers
 from dynamic_cp.planning.plan_types import Plan
