@@ -1,4 +1,4 @@
-"""dynamic_cp/planning/pipeline_sim.py and the pipeline part of memory.py: hand-computed pipeline
+"""dynamic_cp/planning/pipeline_sim.py and planning/pipeline_memory.py: hand-computed pipeline
 steps, the op order the runtime runs, the bound under every order, per-stage memory."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dynamic_cp.planning import memory
+from dynamic_cp.planning import memory, pipeline_memory
 from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.fsdp_cost import simulate_mode
 from dynamic_cp.planning.model_dims import MODELS
@@ -108,7 +108,7 @@ def test_stage_costs_split_the_cost_model():
     assert c.p2p[0][0] == pytest.approx(hw.intra_node_latency_s + nbytes / hw.intra_node_bandwidth, rel=REL)
     far = stage_costs(Plan(p.micro_batches, 8, 40_000), lengths, CM, TWO)  # stage 1 = ranks 8-15
     assert far.p2p[0][0] == pytest.approx(hw.inter_node_latency_s + nbytes / hw.inter_node_bandwidth, rel=REL)
-    params = memory.stage_params(CM.dims, TWO, 0)
+    params = pipeline_memory.stage_params(CM.dims, TWO, 0)
     assert c.sync[0] == pytest.approx(
         2 * (15 * hw.intra_node_latency_s + 4 * params * 3 / 4 / hw.intra_node_bandwidth), rel=REL
     )
@@ -220,21 +220,21 @@ def test_empty_plan():
 def test_stage_memory_and_the_pipeline_cap():
     dims = MODELS["wan-14b"]
     layers = [20, 20]
-    total = sum(memory.stage_params(dims, layers, p) for p in range(2))
+    total = sum(pipeline_memory.stage_params(dims, layers, p) for p in range(2))
     assert total == pytest.approx(dims.num_params, rel=REL)
-    assert memory.stage_params(dims, [40], 0) == pytest.approx(dims.num_params, rel=REL)
-    states, act = memory.stage_memory(dims, layers, 1, 32)
-    P = memory.stage_params(dims, layers, 1)
+    assert pipeline_memory.stage_params(dims, [40], 0) == pytest.approx(dims.num_params, rel=REL)
+    states, act = pipeline_memory.stage_memory(dims, layers, 1, 32)
+    P = pipeline_memory.stage_params(dims, layers, 1)
     assert states == pytest.approx(2 * P + 14 * P / 32, rel=REL)
     assert act == pytest.approx(memory.activation_bytes_per_token(dims) / 2, rel=REL)
     gpu = 80e9
-    cap = memory.pipeline_token_cap(dims, gpu, layers, 32)
+    cap = pipeline_memory.pipeline_token_cap(dims, gpu, layers, 32)
     # 1F1B: stage 0 holds 2 micro-batches in flight, stage 1 one; the tightest decides
-    fits = [memory.stage_memory(dims, layers, p, 32) for p in range(2)]
+    fits = [pipeline_memory.stage_memory(dims, layers, p, 32) for p in range(2)]
     assert all(s + (2 - p) * cap * a <= 0.9 * gpu for p, (s, a) in enumerate(fits))
     assert any(s + (2 - p) * (cap + 1) * a > 0.9 * gpu for p, (s, a) in enumerate(fits))
     with pytest.raises(ValueError, match="states do not fit.*parallel.pp_size"):
-        memory.pipeline_token_cap(dims, 20e9, layers, 1)
+        pipeline_memory.pipeline_token_cap(dims, 20e9, layers, 1)
 
 
 def test_gantt_has_a_row_per_stage_and_rank(tmp_path, monkeypatch):
