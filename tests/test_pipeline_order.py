@@ -313,3 +313,9 @@ def test_table_columns():
     assert f"{static.step_s / dyn.step_s:.2f}x" in line and " no " in line
     assert line.endswith(" ".join(f"{c}:{n}" for c, n in dyn.cp_sizes.items()))
     assert " yes " in format_pipeline_rows(rows, 1.0, peak / 0.85).splitlines()[2]
+    # the per-stage line is dynamic-cp's even when another row comes first
+    last = format_pipeline_rows([static, dyn], 1.0, peak).splitlines()[-1]
+    assert last == "dynamic-cp GB per GPU by stage: " + ", ".join(
+        f"stage {p} {b / 1e9:.1f}" for p, b in enumerate(dyn.stage_bytes)
+    )
+    assert "by stage" not in format_pipeline_rows([static], 1.0, peak)
