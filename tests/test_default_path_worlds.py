@@ -23,11 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dit.batching import GlobalBatchSampler
 from dit.config import load_config
 from dynamic_cp.runtime.launch import resolve_auto_fsdp, trainer_class
 from dynamic_cp.runtime.testing import run_gloo
-from tests.test_fsdp import CONFIG, LR, PerturbedTrainer, U, perturb
+from tests.test_fsdp import CONFIG, LR, U, one_process_run, perturb
 
 pytestmark = pytest.mark.timeout(900)  # two spawns of 3 and 5 ranks on a shared 2-core machine
 MODES = ("none", "per_step", "per_layer")
@@ -102,19 +101,7 @@ def worker(rank: int, world_size: int, root: str) -> dict:
 
 
 def _reference(out: str) -> tuple[list[dict], dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # cores shared with spawned ranks
-    try:
-        cfg = load_config(CONFIG, overrides(out, **{"parallel.mode": "none", "parallel.fsdp": "none"}))
-        trainer = PerturbedTrainer(cfg, device=torch.device("cpu"))
-        sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
-        steps = []
-        for s in range(STEPS):
-            clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
-            steps.append(trainer.train_step(clips))
-        return steps, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    finally:
-        torch.set_num_threads(threads)
+    return one_process_run(load_config(CONFIG, overrides(out, **{"parallel.mode": "none", "parallel.fsdp": "none"})), STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -295,22 +295,28 @@ def assert_equals_single_process(got: dict, cfg, check_clips=None, label: str = 
         assert err < REL_TOL, f"{label}{name} differs from single process by {err:.2e}"
 
 
-def _reference(world_size: int, out: str) -> tuple[list[dict], dict]:
-    """Single-process steps on the same global batches: per-step metrics and final parameters."""
+def one_process_run(cfg, steps: int) -> tuple[list[dict], dict]:
+    """``steps`` single-process steps of ``cfg`` on the global batches the ranks see, on one thread
+    (the cores are shared with spawned ranks): per-step metrics and final parameters. The reference
+    of every spawned parity test here and in test_default_path_worlds.py and test_pipeline.py."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # cores shared with spawned ranks
+    torch.set_num_threads(1)
     try:
-        single = {"parallel.mode": "none", "parallel.fsdp": "none", **DATA[world_size]}
-        cfg = load_config(CONFIG, overrides(out, **single))
         trainer = PerturbedTrainer(cfg, device=torch.device("cpu"))
         sampler = GlobalBatchSampler(trainer.train_indices, cfg.train.global_batch_size, cfg.data.seed)
-        steps = []
-        for s in range(STEPS):
+        metrics = []
+        for s in range(steps):
             clips = trainer.prepare([trainer.train_set[i] for i in sampler.batch(s)], s)
-            steps.append(trainer.train_step(clips))
-        return steps, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            metrics.append(trainer.train_step(clips))
+        return metrics, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     finally:
         torch.set_num_threads(threads)
+
+
+def _reference(world_size: int, out: str) -> tuple[list[dict], dict]:
+    """Single-process steps on the same global batches: per-step metrics and final parameters."""
+    single = {"parallel.mode": "none", "parallel.fsdp": "none", **DATA[world_size]}
+    return one_process_run(load_config(CONFIG, overrides(out, **single)), STEPS)
 
 
 # ----------------------------------------------------------------------------- resharded-resume tolerances
