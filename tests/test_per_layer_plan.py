@@ -8,7 +8,7 @@ one function ``plan_for_mode``, so for the same clips and prices the predicted s
 
 Planted and seen to fail: ``make_plan_fn`` ignoring its ``fsdp`` argument (a barrier-free plan, its
 step priced without weight traffic): all four tests. Planted and equivalent: the trainer recutting a
-plan that has rounds (``_with_rounds`` always calling ``lockstep_rounds``) passes, because
+plan that has rounds (``with_rounds`` always calling ``lockstep_rounds``) passes, because
 ``plan_rounds`` lists micro-batches round by round and greedy rounds in that order are the planner's
 own (checked on 600 random batches at W = 3, 4, 5, 8); the second test keeps that so.
 """
@@ -58,12 +58,10 @@ def test_training_and_the_simulator_predict_the_same_per_layer_step(world):
 
 
 def test_the_per_layer_trainer_runs_the_plans_own_rounds():
-    from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
+    from dynamic_cp.runtime.step_strategies import with_rounds
 
     cfg, cm, lengths = _setup(4)
     plan = make_plan_fn(cfg, cm, 4, "per_layer")(lengths)
-    trainer = FSDPTrainer.__new__(FSDPTrainer)  # _with_rounds reads only these two attributes
-    trainer.both, trainer.world_size = False, 4
-    assert trainer._with_rounds(plan).rounds == plan.rounds
+    assert with_rounds(plan, False, 4).rounds == plan.rounds
     barrier_free = make_plan_fn(cfg, cm, 4, "per_step")(lengths)
-    assert barrier_free.rounds is None and round_violations(trainer._with_rounds(barrier_free)) == []
+    assert barrier_free.rounds is None and round_violations(with_rounds(barrier_free, False, 4)) == []

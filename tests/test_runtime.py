@@ -128,7 +128,7 @@ def _one_step(case: str, out: str, plant_scale: float | None = None) -> dict:
     trainer = DistributedTrainer(cfg, dist.group.WORLD)
     perturb(trainer.model)
     if plant_scale is not None:  # a planted bug: the reduced gradients off by a constant factor
-        all_reduce = trainer._all_reduce
+        all_reduce = trainer.strategy.reduce
 
         def scaled(*args):
             result = all_reduce(*args)
@@ -136,7 +136,7 @@ def _one_step(case: str, out: str, plant_scale: float | None = None) -> dict:
                 p.grad.mul_(plant_scale)
             return result
 
-        trainer._all_reduce = scaled
+        trainer.strategy.reduce = scaled
     grads = record_step_grads(trainer)
     batches = trainer.data_iterator()
     batch = next(batches)

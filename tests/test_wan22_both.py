@@ -20,7 +20,7 @@ Planted and caught (each run, failing, then restored):
 - stepping the idle expert (``ExpertOptimizers.step`` setting ``active`` to both experts):
   test_an_idle_expert_does_not_move fails (the idle expert's EMA moved; its LR schedule advanced);
 - the gradient reduction handing zeros instead of None to parameters no rank used
-  (``DistributedTrainer._all_reduce``): the idle expert's AdamW steps on its momentum and the
+  (``step_strategies.sum_gradients``): the idle expert's AdamW steps on its momentum and the
   replicated parity tests fail at W=2 and W=4;
 - the planner ignoring the experts (``plan_per_expert`` treating every clip as high): the W=2 test
   fails;

@@ -15,6 +15,10 @@ One step on every rank (see ``dynamic_cp/runtime/iterator.py`` for the data half
    parameters whose AdamW moments it holds and broadcasts them; otherwise every rank updates all
    of them, and the replicas stay identical without any broadcast.
 
+Steps 2 and 3 are the trainer's strategy (``dynamic_cp/runtime/step_strategies.py``): replicated
+as above, FSDP per_step or per_layer, each under pipeline stages too; the rest of the step is this
+one loop in every mode.
+
 Rank 0 alone writes metrics and checkpoints (sharded optimizer states are gathered to it first, in
 the format of a plain AdamW state dict, so checkpoints move between modes and world sizes); every
 rank reads the checkpoint when resuming (a shared file system, as on any cluster). Weights and
@@ -46,14 +50,7 @@ from dynamic_cp.runtime.cost_learning import STATE_FILE, build_learner, write_ti
 from dynamic_cp.runtime.fsdp import model_dims_of
 from dynamic_cp.runtime.groups import build_cp_groups
 from dynamic_cp.runtime.iterator import DynamicCPBatches, StepBatch
-from dynamic_cp.runtime.pipeline import (
-    PipelineEval,
-    PipelineTimeline,
-    all_reduce_stage_grads,
-    build_pipeline,
-    clip_over_stages,
-    run_pipeline,
-)
+from dynamic_cp.runtime.pipeline import PipelineEval, PipelineTimeline, build_pipeline
 from dynamic_cp.runtime.pipeline_checkpoint import (
     is_pipeline_checkpoint,
     resume_pipeline_checkpoint,
@@ -61,6 +58,7 @@ from dynamic_cp.runtime.pipeline_checkpoint import (
 )
 from dynamic_cp.runtime.step_plans import cp_sizes_of
 from dynamic_cp.runtime.step_stats import StepTimeline
+from dynamic_cp.runtime.step_strategies import step_strategy
 from dynamic_cp.runtime.timeouts import STARTUP_FACTOR, describe_timeout, set_collective_timeout
 
 
@@ -117,6 +115,9 @@ class DistributedTrainer(Trainer):
             (pipe.plan_size, pipe.plan_rank) if pipe else (self.world_size, self.rank)
         )
         self.grad_group = pipe.stage_group if pipe else world
+        fsdp = getattr(self, "fsdp_mode", "none")  # FSDPTrainer resolves its mode before this runs
+        # how a step's plan runs and its gradients meet (dynamic_cp/runtime/step_strategies.py)
+        self.strategy = step_strategy(self, fsdp)
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
         for opt in self._zero_parts():
@@ -127,7 +128,6 @@ class DistributedTrainer(Trainer):
         # The planner's cost model starts from parallel.hardware and learns from the run
         # (dynamic_cp/runtime/cost_learning.py); plans carry the layouts they were priced with.
         resume_dir = resolve_checkpoint(resume) if resume is not None else None
-        fsdp = getattr(self, "fsdp_mode", "none")  # FSDPTrainer resolves its mode before this runs
         self.learner = build_learner(cfg, self.model.config, world, self.device, self.step, resume_dir, fsdp)
         self.cost_model = self.learner.prior
         # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
@@ -256,7 +256,7 @@ class DistributedTrainer(Trainer):
         timeline = timeline or StepTimeline(batch.plan, self.rank)
         self._sync()
         t0 = time.perf_counter()
-        local_loss = self._run_plan(batch, timeline, t0)
+        local_loss = self.strategy.run(batch, timeline, t0)
         timeline.finish(time.perf_counter() - t0)
         failures = getattr(self.train_set, "failures", None)
         # Broken files found while loading: each rank sees only its share of the clips, so the
@@ -264,7 +264,7 @@ class DistributedTrainer(Trainer):
         local_failed = float(len(failures.failed) - self._build_failures) if failures is not None else 0.0
         local_failed *= pipe is None or pipe.first  # every stage loads the same clips: count them once
         extra = torch.cat([torch.tensor([local_failed], dtype=torch.float64), timeline.local().double()])
-        total_loss, reduced = self._all_reduce(local_loss, extra)
+        total_loss, reduced = self.strategy.reduce(local_loss, extra)
         if failures is not None:
             check_world_failures(failures, self._build_failures + int(reduced[0]))
         gathered = reduced[1:]
@@ -292,16 +292,6 @@ class DistributedTrainer(Trainer):
             "plan_ms": batch.plan.solver_ms,
             **{k: round(v, 6) for k, v in batch.timings.items()},
         }
-
-    def _run_plan(self, batch: StepBatch, timeline: StepTimeline, t0: float) -> float:
-        """Forward and backward of this rank's micro-batches in plan order; -> the sum of their losses.
-        (FSDP modes replace this with their own schedules: ``dynamic_cp/runtime/fsdp_trainer.py``.)"""
-        if self.pipeline is not None:
-            return run_pipeline(self, batch, timeline, t0)
-        local_loss = 0.0
-        for m, (ranks, clips) in zip(batch.plan_indices, batch.micro_batches):
-            local_loss += self._timed_micro_batch(batch, timeline, t0, m, ranks, clips)
-        return local_loss
 
     def _timed_micro_batch(
         self, batch: StepBatch, timeline: StepTimeline, t0: float, m: int, ranks, clips
@@ -346,59 +336,21 @@ class DistributedTrainer(Trainer):
                 hist[f"{u}x{r}"] = hist.get(f"{u}x{r}", 0) + 1
         return dict(sorted(hist.items()))
 
-    def _all_reduce(self, local_loss: float, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """SUM of gradients, loss and ``extra`` over the world, as one flat buffer and one collective.
-
-        A parameter without a gradient (this rank ran nothing, or no clip used it) contributes zeros.
-        One more slot per parameter counts the ranks that gave it a gradient: a parameter that no
-        clip of the whole step used keeps ``grad=None``, as in single-process training, so AdamW
-        skips it (no weight decay, no moment decay) instead of stepping on a zero gradient.
-        """
-        params = self.trainable_parameters()
-        if self.pipeline is not None:  # each stage's over its ranks; loss and extra over the world
-            all_reduce_stage_grads(params, self.grad_group)
-            flat = torch.cat([torch.tensor([local_loss], dtype=torch.float64), extra.double()]).to(
-                self.device
-            )
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
-            return float(flat[0]), flat[1:]
-        parts = [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params
-        ]
-        dtype = parts[0].dtype if parts else torch.float32
-        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
-        extra = torch.cat([used, torch.tensor([local_loss], dtype=torch.float64), extra]).to(
-            self.device, dtype
-        )
-        flat = torch.cat([*(x.to(dtype) for x in parts), extra])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.world)
-        offset = sum(p.numel() for p in params)
-        used_anywhere = flat[offset : offset + len(params)].tolist()
-        start = 0
-        for p, u in zip(params, used_anywhere):
-            n = p.numel()
-            p.grad = flat[start : start + n].view_as(p).to(p.dtype) if u > 0 else None
-            start += n
-        offset += len(params)
-        return float(flat[offset]), flat[offset + 1 :]
-
     def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        if self.pipeline is not None:  # the norm of the whole model's gradients, over all stages
-            return clip_over_stages(self.pipeline, params, max_norm)
-        return super()._clip(params, max_norm)
+        return self.strategy.clip(params, max_norm)
 
     # ----------------------------------------------------------------------------- loop
-
-    # Replicas are identical: only the rank that logs evaluates (the others wait in the next step's
-    # first collective). Sharded weights are gathered by every forward, so FSDP evaluates on all.
-    validates_on_every_rank = False
 
     @torch.no_grad()
     def validation_loss(self) -> float:
         if self.pipeline is None:
-            return super().validation_loss() if self.is_main or self.validates_on_every_rank else float("nan")
+            return (
+                super().validation_loss()
+                if self.is_main or self.strategy.validates_on_every_rank
+                else float("nan")
+            )
         # each stage's plan rank 0 (every rank when weights are sharded) runs its part
-        if self.plan_rank != 0 and not self.validates_on_every_rank:
+        if self.plan_rank != 0 and not self.strategy.validates_on_every_rank:
             return float("nan")
         self._pipeline_eval = PipelineEval(self)
         try:

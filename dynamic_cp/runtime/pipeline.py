@@ -347,23 +347,6 @@ class PipelineEval:
 # ----------------------------------------------------------------------------- reductions
 
 
-def all_reduce_stage_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-    """SUM of this stage's gradients over its R ranks, one flat buffer; a parameter no rank of the
-    stage used keeps ``grad=None`` (the replicated runtime's rule, ``DistributedTrainer._all_reduce``)."""
-    if not params:
-        return
-    parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
-    dtype = parts[0].dtype
-    used = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=parts[0].device)
-    flat = torch.cat([*(x.to(dtype) for x in parts), used])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    start, used_anywhere = 0, flat[-len(params) :].tolist()
-    for p, u in zip(params, used_anywhere):
-        n = p.numel()
-        p.grad = flat[start : start + n].view_as(p).to(p.dtype) if u > 0 else None
-        start += n
-
-
 def clip_over_stages(pipe: Pipeline, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip every stage's gradients by the norm of the whole model's; -> that norm (the same on
     every rank). A stage's norm is the same on all its ranks (replicated, or FSDP's global norm of

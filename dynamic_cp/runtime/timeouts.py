@@ -57,7 +57,7 @@ TIMEOUT_TEXT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
 def describe_timeout(err: BaseException) -> str | None:
-    """``"all_reduce (called from dynamic_cp/runtime/distributed_trainer.py:291 in _all_reduce)"``
+    """``"all_reduce (called from dynamic_cp/runtime/step_strategies.py:47 in sum_gradients)"``
     for a collective that timed out, read from ``err``'s traceback; None when ``err`` is no timeout."""
     if not isinstance(err, RuntimeError) or not any(t in str(err) for t in TIMEOUT_TEXT):
         return None
