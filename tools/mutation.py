@@ -119,6 +119,15 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/planning/pipeline_stages.py": ["tests/test_pipeline_stages.py"],
     "dynamic_cp/planning/pipeline_schedule.py": ["tests/test_pipeline_schedule.py"],
     # spawned gloo ranks (~10 s a world size): the W=3 and W=4 parity cases and the stage checkpoint
+    # the strategies' own test first (cheap), then one spawned parity case per strategy and path
+    "dynamic_cp/runtime/step_strategies.py": [
+        "tests/test_step_strategies.py",
+        "tests/test_per_layer_plan.py",
+        "tests/test_default_path_worlds.py::test_defaults_train_and_equal_one_process[3]",
+        "tests/test_pipeline.py::test_pipeline_equals_one_process[4]",
+        "tests/test_wan22_both.py::test_both_experts_on_gloo_ranks_equal_one_process",
+        "tests/test_runtime.py::test_uneven_batch_leaves_a_rank_without_data",
+    ],
     "dynamic_cp/runtime/pipeline.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
     "dynamic_cp/runtime/pipeline_checkpoint.py": ["tests/test_pipeline.py", "-k", "checkpoint"],
     "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4 or carried"],
