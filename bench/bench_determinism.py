@@ -25,7 +25,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 def _final(out: Path, steps: int):
     run = out / "run"
-    weights = load_file(str(run / "checkpoints" / f"step_{steps:06d}" / "model" / "diffusion_pytorch_model.safetensors"))
+    weights = load_file(
+        str(run / "checkpoints" / f"step_{steps:06d}" / "model" / "diffusion_pytorch_model.safetensors")
+    )
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return weights, [r["loss"] for r in rows if "loss" in r]
 
@@ -35,8 +37,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
-    runs.RUN.update({"parallel.deterministic": str(args.deterministic).lower(), "train.max_steps": args.steps,
-                     "train.checkpoint_every": args.steps // 2, "train.keep_checkpoints": 4})
+    runs.RUN.update(
+        {
+            "parallel.deterministic": str(args.deterministic).lower(),
+            "train.max_steps": args.steps,
+            "train.checkpoint_every": args.steps // 2,
+            "train.keep_checkpoints": 4,
+        }
+    )
     tmp = Path(tempfile.mkdtemp(prefix="bench_determinism_"))
     runs._train(tmp / "a", args.steps)
     runs._train(tmp / "b", args.steps)

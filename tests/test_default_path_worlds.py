@@ -101,7 +101,9 @@ def worker(rank: int, world_size: int, root: str) -> dict:
 
 
 def _reference(out: str) -> tuple[list[dict], dict]:
-    return one_process_run(load_config(CONFIG, overrides(out, **{"parallel.mode": "none", "parallel.fsdp": "none"})), STEPS)
+    return one_process_run(
+        load_config(CONFIG, overrides(out, **{"parallel.mode": "none", "parallel.fsdp": "none"})), STEPS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +123,9 @@ def test_defaults_train_and_equal_one_process(world_size, reference, tmp_path):
         for s, (got, ref) in enumerate(zip(res["steps"], ref_steps)):
             where = f"{mode} W={world_size} step {s + 1}"
             assert got["loss"] == pytest.approx(ref["loss"], rel=LOSS_REL), f"{where} loss"
-            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_REL), f"{where} grad norm"
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_REL), (
+                f"{where} grad norm"
+            )
         for name, p in ref_params.items():
             # test_fsdp's bound: 2 ETA x lr a step through AdamW, plus 4 u |w| a step of weight rounding
             torch.testing.assert_close(

@@ -103,7 +103,9 @@ def worker(rank: int, world_size: int, root: str) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def reference(root: str, out: str = "ref", **extra) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+def reference(
+    root: str, out: str = "ref", **extra
+) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -58,8 +58,11 @@ def test_ranks_are_stage_major():
 
 @pytest.mark.parametrize(
     "world, pp, layers, message",
-    [(5, 2, 8, "does not divide the world of 5"), (4, 4, 3, "more stages than the model's 3 blocks"),
-     (4, 0, 3, "must be >= 1")],
+    [
+        (5, 2, 8, "does not divide the world of 5"),
+        (4, 4, 3, "more stages than the model's 3 blocks"),
+        (4, 0, 3, "must be >= 1"),
+    ],
 )
 def test_bad_layouts_name_the_fix(world, pp, layers, message):
     with pytest.raises(ValueError, match=message):

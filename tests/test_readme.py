@@ -71,7 +71,7 @@ def test_readme_is_short():
 def test_setup_and_test_commands_are_what_ci_runs():
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
     commands = [" ".join(argv) for argv in _commands(README.read_text())]
-    setup = 'pip install -c constraints.txt -e .[dev]'
+    setup = "pip install -c constraints.txt -e .[dev]"
     assert setup in commands
     assert 'pip install -c constraints.txt -e ".[dev]"' in ci
     assert "python -m pytest -q" in commands
