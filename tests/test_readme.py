@@ -2,9 +2,10 @@
 
 A newcomer copies the README's commands as written. The set-up and test commands must be the ones
 `.ci/run` runs (so CI proves them on a fresh clone), the quick start must load its config, and
-every other command must name a script that exists with flags that script defines. Running the
-quick start itself (14 minutes of training) is `.ci/run`'s cost to avoid; its pieces are covered
-by tests/test_train.py and tests/test_sample*.py.
+every other command must name a script that exists with flags that script defines. Every link of
+the README, CONTRIBUTING.md and the docs/ pages leads to a file and, with an anchor, a heading.
+Running the quick start itself (14 minutes of training) is `.ci/run`'s cost to avoid; its pieces
+are covered by tests/test_train.py and tests/test_sample*.py.
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def _anchors(path: Path) -> set[str]:
     return {_slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
 
 
-@pytest.mark.parametrize("page", [README, ROOT / "CONTRIBUTING.md"], ids=lambda p: p.name)
+PAGES = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_link_resolves_to_a_file_and_heading(page):
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
