@@ -74,6 +74,20 @@ LOSS_REL = STEP_TOKENS * 48 * U  # a mean of non-negative squared errors: no can
 GRAD_NORM_REL = ETA
 
 
+def assert_weights_close(got: dict, ref: dict, where: str) -> None:
+    """Every weight of ``ref`` (one process after STEPS steps) in ``got`` (gathered from the stages)."""
+    assert got.keys() == ref.keys(), f"{where}: the stages hold other weights than the model"
+    for name, p in ref.items():
+        # test_default_path_worlds' bound: 2 ETA x lr a step through AdamW, plus 4 u |w| a step
+        torch.testing.assert_close(
+            got[name],
+            p,
+            atol=2 * ETA * STEPS * LR,
+            rtol=4 * U * STEPS,
+            msg=lambda m, name=name: f"{where}: {name}: {m}",
+        )
+
+
 def overrides(out: str, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in {"output_dir": out, **ITEMS, **extra}.items()]
 
@@ -149,23 +163,14 @@ def test_pipeline_equals_one_process(world_size, reference, tmp_path):
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_REL), (
                 f"{where} step {s + 1}"
             )
-        assert params.keys() == ref_params.keys(), f"{where}: the stages hold other weights than the model"
-        for pname, p in ref_params.items():
-            # test_default_path_worlds' bound: 2 ETA x lr a step through AdamW, plus 4 u |w| a step
-            torch.testing.assert_close(
-                params[pname],
-                p,
-                atol=2 * ETA * STEPS * LR,
-                rtol=4 * U * STEPS,
-                msg=lambda m, pname=pname, where=where: f"{where}: {pname}: {m}",
-            )
+        assert_weights_close(params, ref_params, where)
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# Two steps at PP 2 x 2 (W=4) write a stage checkpoint at step 2; step 3 resumes it at PP 3 x 1 (W=3)
-# and without a pipeline (W=2, pp_size 1): each ends with the single-process weights of 3 steps,
-# within the same bound (only the order of fp32 sums differs). The step-0 validation runs through
-# the stages (PipelineEval) and must be finite on rank 0.
+# Two steps at PP 2 x 2 (W=4) write a stage checkpoint at step 2; step 3 resumes it at PP 3 x 1 (W=3),
+# without a pipeline (W=2, pp_size 1) and at PP 2 x 2 with FSDP per_step stages: each ends with the
+# single-process weights of 3 steps, within the same bound (only the order of fp32 sums differs).
+# The step-0 validation runs through the stages (PipelineEval) and must be finite on rank 0.
 
 
 def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None) -> dict:
@@ -187,6 +192,16 @@ def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None
         return {"error": traceback.format_exc()}
 
 
+def _params_of(res: list[dict], step: int = STEPS) -> dict:
+    """The whole model's weights from the ranks of a finished run (each plan rank 0 sends its stage's)."""
+    assert all("error" not in r for r in res), [r.get("error") for r in res]
+    params = {}
+    for r in res:
+        assert r["step"] == step
+        params.update(r["params"])
+    return params
+
+
 def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
     first = {"parallel.pp_size": 2, "train.max_steps": 2, "train.checkpoint_every": 2}
     out = run_gloo(_train, 4, str(tmp_path / "pp2"), first, None, timeout_s=180)
@@ -194,23 +209,37 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
     step_dir = tmp_path / "pp2" / "checkpoints" / "step_000002"
     assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
     _, ref_params = reference
-    for world_size, pp in ((2, 1), (3, 3)):
-        then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 96 if pp == 1 else 200}
-        res = run_gloo(_train, world_size, str(tmp_path / f"pp{pp}"), then, str(step_dir), timeout_s=180)
-        assert all("error" not in r for r in res), [r.get("error") for r in res]
-        params = {}
-        for r in res:
-            assert r["step"] == 3
-            params.update(r["params"])
-        assert params.keys() == ref_params.keys()
-        for name, p in ref_params.items():
-            torch.testing.assert_close(
-                params[name],
-                p,
-                atol=2 * ETA * STEPS * LR,
-                rtol=4 * U * STEPS,
-                msg=lambda m, name=name, pp=pp: f"resumed at pp_size={pp}: {name}: {m}",
-            )
+    for world_size, pp, fsdp in ((2, 1, "none"), (3, 3, "none"), (4, 2, "per_step")):
+        then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 200 if pp == 3 else 96}
+        then["parallel.fsdp"] = fsdp
+        res = run_gloo(
+            _train, world_size, str(tmp_path / f"to{pp}_{fsdp}"), then, str(step_dir), timeout_s=180
+        )
+        assert_weights_close(_params_of(res), ref_params, f"resumed at pp_size={pp}, fsdp={fsdp}")
+
+
+def test_fsdp_stage_checkpoint_resumes_bitwise_and_unsharded(reference, tmp_path):
+    """PP 2 x 2 (W=4) with FSDP per_step stages: a run stopped at its step-2 checkpoint (every tensor
+    gathered whole to its stage's plan rank 0), resumed at the same layout, ends bit for bit where an
+    uninterrupted 3-step run does (the same plans and sums, the shards loaded back exactly: the
+    bitwise check of tests/test_fsdp.py's resume); resumed with replicated weights and no pipeline
+    (W=2, pp_size 1) it ends at the single-process weights within the bound above."""
+    fsdp = {"parallel.pp_size": 2, "parallel.fsdp": "per_step", "train.checkpoint_every": 2}
+    whole = _params_of(run_gloo(_train, 4, str(tmp_path / "whole"), {**fsdp, "train.max_steps": 3}, None))
+    _params_of(run_gloo(_train, 4, str(tmp_path / "stopped"), {**fsdp, "train.max_steps": 2}, None), 2)
+    step_dir = tmp_path / "stopped" / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
+    resumed = _params_of(
+        run_gloo(_train, 4, str(tmp_path / "resumed"), {**fsdp, "train.max_steps": 3}, str(step_dir))
+    )
+    assert resumed.keys() == whole.keys()
+    for name, p in whole.items():
+        assert torch.equal(resumed[name], p), f"FSDP stages resumed at step 2: {name} differs"
+    flat = {"parallel.pp_size": 1, "parallel.fsdp": "none", "train.max_steps": 3}
+    unsharded = _params_of(run_gloo(_train, 2, str(tmp_path / "flat"), flat, str(step_dir)))
+    _, ref_params = reference
+    assert_weights_close(whole, ref_params, "FSDP stages, uninterrupted")
+    assert_weights_close(unsharded, ref_params, "FSDP stages resumed at pp_size=1, replicated")
 
 
 @pytest.mark.parametrize("per_token", [False, True])
