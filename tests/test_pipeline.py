@@ -179,8 +179,8 @@ def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None
 
         class Perturbed(base):
             def _shard_model(self) -> None:
-                if resume is None:
-                    perturb(self.model)
+                # also when resuming: the checkpoint replaces what it holds (all but a LoRA's frozen base)
+                perturb(self.model)
                 super()._shard_model()
 
         cfg = load_config(CONFIG, overrides(out, **items))

@@ -129,7 +129,12 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_runtime.py::test_uneven_batch_leaves_a_rank_without_data",
     ],
     "dynamic_cp/runtime/pipeline.py": ["tests/test_pipeline.py", "-k", "3 or 4"],
-    "dynamic_cp/runtime/pipeline_checkpoint.py": ["tests/test_pipeline.py", "-k", "checkpoint"],
+    "dynamic_cp/runtime/pipeline_checkpoint.py": [
+        "tests/test_pipeline.py",
+        "tests/test_pipeline_lora.py",
+        "-k",
+        "checkpoint",
+    ],
     "dit/stages.py": ["tests/test_pipeline.py", "-k", "3 or 4 or carried"],
     "dynamic_cp/planning/pipeline_sim.py": ["tests/test_pipeline_sim.py"],
     "dynamic_cp/planning/pipeline_order.py": ["tests/test_pipeline_order.py"],

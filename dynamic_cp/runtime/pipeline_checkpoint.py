@@ -5,10 +5,12 @@ Layout of ``<output_dir>/checkpoints/step_000100/`` under ``parallel.pp_size > 1
     stages/stage_{p}/ema.safetensors     its EMA (the adapters' under LoRA)
     stages/stage_{p}/optim.safetensors   its AdamW moments, ``{parameter name}/{state}`` (no pickle)
     trainer.pt, config.yaml, learner     rank 0's, as in replicated checkpoints
+    model/, ema/ (LoRA)                  rank 0's merge of every stage's adapters, in diffusers'
+                                         LoRA format: what the run exports (``dit.lora``)
 Plan rank 0 of each stage writes its stage (under ZeRO-1 the stage's moments are gathered to it
 first; under FSDP every tensor is gathered to it whole, one at a time, over the stage's ranks);
 rank 0 renames the ``.tmp`` folder into place after a world barrier, so the commit is atomic as in
-``dit/checkpoint.py``.
+``dit/checkpoint.py``. Under LoRA a stage writes its adapters alone (the base is model.pretrained).
 Names are global and tensors whole, so resuming reads every stage's files and keeps what this rank
 holds (under FSDP: its shards): the run may resume at another ``pp_size``, 1 (no pipeline)
 included, on any world, with replicated or FSDP-sharded weights either side.
@@ -78,6 +80,12 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
     dist.barrier(group=trainer.world)  # every stage's files are on disk
     if not trainer.is_main:
         return None
+    if trainer.lora:  # the run's LoRA, every stage's adapters in one diffusers file (model/, ema/)
+        from dit.lora import save_stages_lora
+
+        save_stages_lora(trainer.model, tmp / "model", _read(tmp, MODEL))
+        if trainer.ema is not None:
+            save_stages_lora(trainer.model, tmp / "ema", _read(tmp, EMA))
     save_trainer_state(tmp / "trainer.pt", {**state, "step": step, "rng": rng_state()})
     import yaml
 
@@ -93,7 +101,9 @@ def _is_sharded(trainer) -> bool:
 
 
 def _saved_names(trainer) -> list[str]:
-    """What a stage saves of its model: every tensor."""
+    """What a stage saves of its model: every tensor, or under LoRA the adapters alone."""
+    if trainer.lora:
+        return [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     return list(trainer.model.state_dict())
 
 
@@ -198,7 +208,7 @@ def _groups(opt, key) -> list[dict]:
 
 
 def _load_replicated(trainer, weights: dict, ema: dict, moments: dict, names: dict) -> None:
-    trainer.model.load_state_dict(weights)
+    trainer.model.load_state_dict(weights, strict=not trainer.lora)  # LoRA: the adapters alone
     if trainer.ema is not None:
         target = trainer.ema.state if hasattr(trainer.ema, "state") else trainer.ema.model.state_dict()
         with torch.no_grad():
@@ -221,4 +231,4 @@ def _load_sharded(trainer, weights: dict, ema: dict, moments: dict, names: dict)
         full_ema = {n: ema.get(n, weights.get(n)) for n in trainer.ema.params}
     opt = trainer.optimizer
     by_name = {"state": moments, "param_groups": _groups(opt, lambda p: names[id(p)])}
-    load_full_state(trainer.model, opt, trainer.ema, weights, by_name, full_ema)
+    load_full_state(trainer.model, opt, trainer.ema, weights, by_name, full_ema, strict=not trainer.lora)

@@ -1,0 +1,105 @@
+"""LoRA under pipeline stages (``parallel.pp_size`` with ``model.lora``) equals one process.
+
+A PP 2 x 2 run (W=4, dynamic CP, 1F1B; the data and model of tests/test_pipeline.py, rank-4
+adapters on the attention, the FFN output and the head's ``proj_out``, so both stages hold
+adapters and the last one holds the head's) trains 3 steps with checkpoints at steps 2 and 3. Each
+step's loss and gradient norm and every weight after step 3 (the adapters; the frozen base stays
+the perturbed init) must match the single-process run of tests/test_fsdp.one_process_run, within
+tests/test_pipeline.py's reordered-sum bounds (a pipeline and LoRA change no arithmetic inside a
+micro-batch: the base is frozen fp32 here and only the order of fp32 sums differs).
+
+Checkpoints: each stage writes its adapters alone (no base), and rank 0 merges every stage's into
+the checkpoint's ``model/`` and ``ema/`` LoRA files; the run's export (rank 0's
+``pytorch_lora_weights.safetensors``) is the final merge: the full adapter set in diffusers' format,
+the keys ``dit.lora.lora_state`` gives a whole model and, for ``model/``, the single-process values.
+The step-2 checkpoint resumed at PP 2 x 1 (W=2) and without a pipeline (W=2, pp_size 1) ends at the
+single-process adapters of 3 steps within the same bound.
+
+The data are tests/test_pipeline.py's, whose W=4 dynamic case is checked to plan CP 2 micro-batches.
+Planted and seen to fail (commit body): the export written from rank 0's stage alone (blocks 0-1
+only), the merge reading stage 0's files only, a stage saving its frozen base too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dit.config import load_config
+from dit.lora import WEIGHT_NAME, lora_state, read_lora
+from dynamic_cp.runtime.testing import run_gloo
+from tests.test_fsdp import CONFIG, one_process_run
+from tests.test_pipeline import (
+    GRAD_NORM_REL,
+    LOSS_REL,
+    STEPS,
+    _params_of,
+    _train,
+    assert_weights_close,
+    overrides,
+)
+
+pytestmark = pytest.mark.timeout(900)
+LORA = {
+    "model.lora": "{rank: 4, alpha: 8, target_modules: [to_q, to_k, to_v, to_out.0, ffn.net.2, proj_out]}"
+}
+RUN = {**LORA, "parallel.pp_size": 2, "train.max_steps": STEPS, "train.checkpoint_every": 2}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process: per-step metrics, final weights, and the diffusers-format adapters of a whole model."""
+    out = str(tmp_path_factory.mktemp("one"))
+    cfg = load_config(CONFIG, overrides(out, **{**LORA, "parallel.mode": "none"}))
+    steps, params = one_process_run(cfg, STEPS)
+    from dit.trainer import Trainer
+
+    whole = Trainer(cfg, device=torch.device("cpu")).model
+    assert not whole.load_state_dict(params, strict=False).unexpected_keys
+    return steps, params, lora_state(whole)
+
+
+def test_lora_stage_checkpoints_export_and_resume_equal_one_process(reference, tmp_path):
+    ref_steps, ref_params, ref_lora = reference
+    res = run_gloo(_train, 4, str(tmp_path / "pp2"), RUN, None, timeout_s=180)
+    assert_weights_close(_params_of(res), ref_params, "PP 2 x 2 LoRA")
+    logged = [json.loads(line) for line in (tmp_path / "pp2" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "loss" in r]
+    assert len(logged) == STEPS
+    for s, (got, ref) in enumerate(zip(logged, ref_steps)):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=LOSS_REL), f"step {s + 1} loss"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_REL), f"step {s + 1}"
+
+    # the stage files: each stage's adapters, no base weight
+    final = tmp_path / "pp2" / "checkpoints" / f"step_{STEPS:06d}"
+    adapters = {n for n, p in ref_params.items() if ".lora_" in n}
+    stage_keys = [set(load_file(str(d / "model.safetensors"))) for d in sorted((final / "stages").iterdir())]
+    assert all(keys and keys <= adapters for keys in stage_keys), "a stage saved more than its adapters"
+    assert set().union(*stage_keys) == adapters and sum(map(len, stage_keys)) == len(adapters)
+    # the merged checkpoint files and the export: every stage's adapters, in diffusers' format
+    live, _ = read_lora(final / "model")
+    assert live.keys() == ref_lora.keys(), f"merged model/ lacks {sorted(ref_lora.keys() - live.keys())[:3]}"
+    assert_weights_close(live, ref_lora, "merged model/ LoRA")
+    ema, _ = read_lora(final / "ema")
+    export = tmp_path / "pp2" / WEIGHT_NAME
+    assert export.read_bytes() == (final / "ema" / WEIGHT_NAME).read_bytes(), "the export is not the merge"
+    exported, _ = read_lora(export)
+    assert exported.keys() == ref_lora.keys(), f"export lacks {sorted(ref_lora.keys() - exported.keys())[:3]}"
+    stage_ema = {}
+    for d in sorted((final / "stages").iterdir()):
+        stage_ema.update(load_file(str(d / "ema.safetensors")))
+    assert stage_ema.keys() == adapters
+    for key, t in exported.items():  # transformer.{module}.lora_A.weight <- {module}.lora_A.default.weight
+        name = key.removeprefix("transformer.").removesuffix(".weight") + ".default.weight"
+        assert torch.equal(t, stage_ema[name]), f"export {key} is not stage EMA {name}"
+    assert not torch.equal(ema[key], live[key]), "the EMA export holds the live adapters"
+
+    # the step-2 checkpoint resumed on two ranks: PP 2 x 1, and no pipeline
+    step_dir = tmp_path / "pp2" / "checkpoints" / "step_000002"
+    for pp, cap in ((2, 200), (1, 96)):
+        then = {**LORA, "parallel.pp_size": pp, "train.max_steps": STEPS, "parallel.cap_tokens": cap}
+        res = run_gloo(_train, 2, str(tmp_path / f"resumed{pp}"), then, str(step_dir), timeout_s=180)
+        assert_weights_close(_params_of(res), ref_params, f"LoRA resumed at pp_size={pp}")
