@@ -13,7 +13,7 @@ the checkpoint's ``model/`` and ``ema/`` LoRA files; the run's export (rank 0's
 ``pytorch_lora_weights.safetensors``) is the final merge: the full adapter set in diffusers' format,
 the keys ``dit.lora.lora_state`` gives a whole model and, for ``model/``, the single-process values.
 The step-2 checkpoint resumed at PP 2 x 1 (W=2) and without a pipeline (W=2, pp_size 1) ends at the
-single-process adapters of 3 steps within the same bound.
+single-process adapters of 3 steps within the same bound, its EMA one step on from the saved one.
 
 The data are tests/test_pipeline.py's, whose W=4 dynamic case is checked to plan CP 2 micro-batches.
 Planted and seen to fail (commit body): the export written from rank 0's stage alone (blocks 0-1
@@ -38,6 +38,7 @@ from tests.test_pipeline import (
     STEPS,
     _params_of,
     _train,
+    assert_ema_resumed,
     assert_weights_close,
     overrides,
 )
@@ -103,3 +104,4 @@ def test_lora_stage_checkpoints_export_and_resume_equal_one_process(reference, t
         then = {**LORA, "parallel.pp_size": pp, "train.max_steps": STEPS, "parallel.cap_tokens": cap}
         res = run_gloo(_train, 2, str(tmp_path / f"resumed{pp}"), then, str(step_dir), timeout_s=180)
         assert_weights_close(_params_of(res), ref_params, f"LoRA resumed at pp_size={pp}")
+        assert_ema_resumed(res, step_dir)

@@ -323,13 +323,10 @@ def load_fsdp_checkpoint(step_dir: Path, model, optimizer, ema: ShardedEMA | Non
     return state
 
 
-def load_full_state(
-    model, optimizer, ema: ShardedEMA | None, full: dict, by_name: dict, ema_full, strict=True
-):
+def load_full_state(model, optimizer, ema: ShardedEMA | None, full: dict, by_name: dict, ema_full) -> None:
     """Full weights, an optimizer state dict keyed by parameter name and the full EMA (every rank holds
-    them all) into the sharded model, optimizer and EMA, each rank keeping its shards. ``strict=False``
-    loads a part of the weights (LoRA's adapters)."""
-    options = StateDictOptions(full_state_dict=True, strict=strict)
+    them all) into the sharded model, optimizer and EMA, each rank keeping its shards."""
+    options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, full, options=options)
     set_optimizer_state_dict(model, optimizer, by_name, options=options)
     if ema is not None:

@@ -65,14 +65,13 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
     if trainer.is_main:
         begin_checkpoint(root, step)
     dist.barrier(group=trainer.world)  # the fresh tmp directory exists before anyone writes into it
-    keep = trainer.plan_rank == 0
-    files = _stage_files(trainer, keep)  # collective over the stage's ranks under FSDP
-    if keep:
-        folder = tmp / STAGES / f"stage_{pipe.stage}"
-        folder.mkdir(parents=True)
-        for name, tensors in files.items():
-            if tensors is not None:
-                save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(folder / name))
+    # collective over the stage's ranks under FSDP; {} but on the stage's plan rank 0
+    files = _stage_files(trainer, trainer.plan_rank == 0)
+    folder = tmp / STAGES / f"stage_{pipe.stage}"
+    for name, tensors in files.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        if tensors is not None:
+            save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(folder / name))
     for opt in sharded:
         opt._all_state_dicts = []  # see DistributedTrainer.save
     if not trainer.is_main:
@@ -134,7 +133,7 @@ def _stage_files(trainer, keep: bool) -> dict[str, dict | None]:
     ema = trainer.ema.full_state_dict(keep) if trainer.ema is not None else None
     state = get_optimizer_state_dict(model, trainer.optimizer)["state"]  # keyed by parameter name
     moments = _whole({f"{n}/{k}": v for n, s in state.items() for k, v in s.items()}, keep)
-    return {MODEL: weights, EMA: ema, OPTIM: moments}
+    return {MODEL: weights, EMA: ema, OPTIM: moments} if keep else {}
 
 
 def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:
@@ -186,7 +185,7 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
     held = {names[id(p)] for p in _ordered_params(trainer.optimizer)}
     moments: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> its AdamW state
     for key, t in _read(step_dir, OPTIM).items():
-        name, state_key = key.rsplit("/", 1)
+        name, _, state_key = key.rpartition("/")
         if name in held:
             moments.setdefault(name, {})[state_key] = t
     (_load_sharded if _is_sharded(trainer) else _load_replicated)(trainer, weights, ema, moments, names)
@@ -231,4 +230,4 @@ def _load_sharded(trainer, weights: dict, ema: dict, moments: dict, names: dict)
         full_ema = {n: ema.get(n, weights.get(n)) for n in trainer.ema.params}
     opt = trainer.optimizer
     by_name = {"state": moments, "param_groups": _groups(opt, lambda p: names[id(p)])}
-    load_full_state(trainer.model, opt, trainer.ema, weights, by_name, full_ema, strict=not trainer.lora)
+    load_full_state(trainer.model, opt, trainer.ema, weights, by_name, full_ema)  # no LoRA under FSDP
