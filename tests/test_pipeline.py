@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from safetensors.torch import load_file
 
-from dit.config import load_config
+from dit.config import load_config, to_dict
 from dynamic_cp.runtime.launch import trainer_class
 from dynamic_cp.runtime.testing import run_gloo
 from tests.test_fsdp import CONFIG, LR, U, one_process_run, perturb
@@ -244,6 +245,9 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
     assert all("error" not in r for r in out), [r.get("error") for r in out]
     step_dir = tmp_path / "pp2" / "checkpoints" / "step_000002"
     assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
+    cfg = to_dict(load_config(CONFIG, overrides(str(tmp_path / "pp2"), **first)))
+    assert yaml.safe_load((step_dir / "config.yaml").read_text()) == cfg
+    assert list(yaml.safe_load((step_dir / "config.yaml").read_text())) == list(cfg), "not the config's order"
     _, ref_params = reference
     for world_size, pp, fsdp in ((2, 1, "none"), (3, 3, "none"), (4, 2, "per_step")):
         then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 200 if pp == 3 else 96}
