@@ -105,3 +105,48 @@ def test_lora_stage_checkpoints_export_and_resume_equal_one_process(reference, t
         res = run_gloo(_train, 2, str(tmp_path / f"resumed{pp}"), then, str(step_dir), timeout_s=180)
         assert_weights_close(_params_of(res), ref_params, f"LoRA resumed at pp_size={pp}")
         assert_ema_resumed(res, step_dir)
+
+
+def test_stage_lora_merge_and_export_without_processes(tmp_path):
+    """``save_stages_lora`` of every stage's adapters, written from one stage, is ``save_lora`` of the
+    whole model (keys, values, peft config); ``stage_export`` copies a stage's checkpoint merge (the
+    EMA's or the live one), refuses a stage whose checkpoint has none, and leaves a whole model to
+    ``save_model_lora``. No process is spawned."""
+    import copy
+    import shutil
+
+    from dit.lora import add_lora, freeze_base, peft_config, save_lora, save_stages_lora, stage_export
+    from dit.model import VideoDiT
+    from dit.model_config import LoraSettings
+    from dit.stages import keep_stage
+
+    model = VideoDiT(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2,
+    )  # fmt: skip
+    freeze_base(model, torch.float32)
+    add_lora(model, peft_config(LoraSettings(rank=2, target_modules=["to_q", "ffn.net.2", "proj_out"])))
+    g = torch.Generator().manual_seed(0)
+    adapters = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    with torch.no_grad():
+        for p in adapters.values():
+            p.copy_(torch.randn(p.shape, generator=g))
+    save_lora(model, tmp_path / "whole")
+    stage = keep_stage(copy.deepcopy(model), range(0, 1), True, False)  # blocks.1 and proj_out elsewhere
+    assert any(".lora_" in n for n, _ in stage.named_parameters())
+    save_stages_lora(stage, tmp_path / "merged", {n: p.detach() for n, p in adapters.items()})
+    (want, want_config), (got, got_config) = read_lora(tmp_path / "whole"), read_lora(tmp_path / "merged")
+    assert got.keys() == want.keys() and got_config == want_config
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    run = tmp_path / "run"
+    assert stage_export(model, run, 3, True) is None  # a whole model exports itself
+    with pytest.raises(ValueError, match=r"step_000003/ema/pytorch_lora_weights.safetensors is missing"):
+        stage_export(stage, run, 3, True)
+    ckpt = run / "checkpoints" / "step_000003"
+    shutil.copytree(tmp_path / "merged", ckpt / "ema")
+    shutil.copytree(tmp_path / "whole", ckpt / "model")
+    (ckpt / "model" / WEIGHT_NAME).write_bytes(b"live")  # tell the two apart
+    for ema, folder in ((True, "ema"), (False, "model")):
+        assert stage_export(stage, run, 3, ema) == [run / WEIGHT_NAME]
+        assert (run / WEIGHT_NAME).read_bytes() == (ckpt / folder / WEIGHT_NAME).read_bytes()

@@ -95,6 +95,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_lora_scale.py",
         "tests/test_lora_edges.py",
         "tests/test_wan_i2v.py::test_lora_loads_into_diffusers_i2v_without_missing_keys",
+        "tests/test_pipeline_lora.py::test_stage_lora_merge_and_export_without_processes",
     ],
     "dit/ema.py": ["tests/test_ema.py", "tests/test_trainer_guards.py"],
     "dit/optim.py": ["tests/test_optim.py"],
