@@ -165,9 +165,22 @@ def lora_state(model, adapter_name: str = ADAPTER, state: dict | None = None) ->
 def save_lora(model, directory: str | Path, adapter_name: str = ADAPTER, state: dict | None = None) -> Path:
     """Write ``directory/pytorch_lora_weights.safetensors`` with diffusers' own ``save_lora_weights``:
     ``WanPipeline.load_lora_weights(directory)`` loads it unchanged."""
+    return _write_lora(model, directory, lora_state(model, adapter_name, state), adapter_name)
+
+
+def save_stages_lora(model, directory: str | Path, state: dict[str, torch.Tensor]) -> Path:
+    """``save_lora`` of the adapters of every pipeline stage: ``state`` maps each stage's adapter
+    parameters (our names, adapter infix included: what the stages' checkpoints hold) to values, and
+    ``model`` is one stage, whose model and peft configs they share. peft's ``get_peft_model_state_dict``
+    keeps only the modules ``model`` holds, so the infix is dropped here as it does."""
+    layers = to_diffusers({k.replace(f".{ADAPTER}.", "."): v for k, v in state.items()}, model)
+    return _write_lora(model, directory, layers, ADAPTER)
+
+
+def _write_lora(model, directory: str | Path, layers: dict[str, torch.Tensor], adapter_name: str) -> Path:
     from diffusers.loaders import WanLoraLoaderMixin
 
-    layers = {k[len(PREFIX) + 1 :]: v.cpu() for k, v in lora_state(model, adapter_name, state).items()}
+    layers = {k[len(PREFIX) + 1 :]: v.cpu() for k, v in layers.items()}
     config = model.peft_config[adapter_name].to_dict()
     WanLoraLoaderMixin.save_lora_weights(
         directory, transformer_lora_layers=layers, transformer_lora_adapter_metadata=config
@@ -296,6 +309,27 @@ def save_model_lora(model, directory: str | Path, state: dict[str, torch.Tensor]
         )
         paths.append(save_lora(expert, Path(directory) / folder, state=sub))
     return paths
+
+
+def stage_export(model, out: str | Path, step: int, ema: bool) -> list[Path] | None:
+    """A pipeline stage (``dit/stages.py``) holds its blocks' adapters alone: its run's LoRA is the one
+    its checkpoint of ``step`` (under ``out``) merged from every stage's (``ema/``, else ``model/``;
+    ``dynamic_cp/runtime/pipeline_checkpoint.py``), copied to ``out``. None for a whole model
+    (``save_model_lora`` exports it)."""
+    import shutil
+
+    from dit.stages import NotOnThisStage
+
+    if not any(isinstance(m, NotOnThisStage) for m in model.modules()):
+        return None
+    source = Path(out) / "checkpoints" / f"step_{step:06d}" / ("ema" if ema else "model") / WEIGHT_NAME
+    if not source.is_file():
+        raise ValueError(
+            f"{source} is missing: a pipeline stage holds only its blocks' adapters, so the run's LoRA is "
+            "the merge its checkpoint of this step wrote; save one (train() does at train.max_steps) first"
+        )
+    shutil.copyfile(source, Path(out) / WEIGHT_NAME)
+    return [Path(out) / WEIGHT_NAME]
 
 
 def model_adapter_values(model, path: str | Path) -> dict[str, torch.Tensor]:

@@ -354,9 +354,11 @@ class Trainer:
         EMA adapters when there is an EMA), for ``WanPipeline.load_lora_weights(output_dir)``; under
         model.expert=both one per expert, ``<output_dir>/transformer/`` and ``transformer_2/``
         (``load_lora_weights(that folder, load_into_transformer_2=True)`` for the low expert's)."""
-        from dit.lora import save_model_lora
+        from dit.lora import save_model_lora, stage_export
 
-        paths = save_model_lora(self.model, self.out, state=self.ema.state if self.ema else None)
+        state = self.ema.state if self.ema else None
+        paths = stage_export(self.model, self.out, self.step, state is not None)  # a pipeline stage's
+        paths = paths or save_model_lora(self.model, self.out, state=state)
         for path in paths:
             print(f"wrote {path}")
         return paths[0]

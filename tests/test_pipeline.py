@@ -22,12 +22,15 @@ gradient of the text context not sent back (zeros sent instead).
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file
 
-from dit.config import load_config
+from dit.config import load_config, to_dict
 from dynamic_cp.runtime.launch import trainer_class
 from dynamic_cp.runtime.testing import run_gloo
 from tests.test_fsdp import CONFIG, LR, U, one_process_run, perturb
@@ -72,6 +75,21 @@ STEP_TOKENS = 5 * 160
 ETA = STEP_TOKENS * U
 LOSS_REL = STEP_TOKENS * 48 * U  # a mean of non-negative squared errors: no cancellation
 GRAD_NORM_REL = ETA
+DECAY = load_config(CONFIG, []).train.ema_decay
+
+
+def assert_weights_close(got: dict, ref: dict, where: str) -> None:
+    """Every weight of ``ref`` (one process after STEPS steps) in ``got`` (gathered from the stages)."""
+    assert got.keys() == ref.keys(), f"{where}: the stages hold other weights than the model"
+    for name, p in ref.items():
+        # test_default_path_worlds' bound: 2 ETA x lr a step through AdamW, plus 4 u |w| a step
+        torch.testing.assert_close(
+            got[name],
+            p,
+            atol=2 * ETA * STEPS * LR,
+            rtol=4 * U * STEPS,
+            msg=lambda m, name=name: f"{where}: {name}: {m}",
+        )
 
 
 def overrides(out: str, **extra) -> list[str]:
@@ -149,23 +167,14 @@ def test_pipeline_equals_one_process(world_size, reference, tmp_path):
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_REL), (
                 f"{where} step {s + 1}"
             )
-        assert params.keys() == ref_params.keys(), f"{where}: the stages hold other weights than the model"
-        for pname, p in ref_params.items():
-            # test_default_path_worlds' bound: 2 ETA x lr a step through AdamW, plus 4 u |w| a step
-            torch.testing.assert_close(
-                params[pname],
-                p,
-                atol=2 * ETA * STEPS * LR,
-                rtol=4 * U * STEPS,
-                msg=lambda m, pname=pname, where=where: f"{where}: {pname}: {m}",
-            )
+        assert_weights_close(params, ref_params, where)
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# Two steps at PP 2 x 2 (W=4) write a stage checkpoint at step 2; step 3 resumes it at PP 3 x 1 (W=3)
-# and without a pipeline (W=2, pp_size 1): each ends with the single-process weights of 3 steps,
-# within the same bound (only the order of fp32 sums differs). The step-0 validation runs through
-# the stages (PipelineEval) and must be finite on rank 0.
+# Two steps at PP 2 x 2 (W=4) write a stage checkpoint at step 2; step 3 resumes it at PP 3 x 1 (W=3),
+# without a pipeline (W=2, pp_size 1) and at PP 2 x 2 with FSDP per_step stages: each ends with the
+# single-process weights of 3 steps, within the same bound (only the order of fp32 sums differs).
+# The step-0 validation runs through the stages (PipelineEval) and must be finite on rank 0.
 
 
 def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None) -> dict:
@@ -174,17 +183,60 @@ def _train(rank: int, world_size: int, out: str, items: dict, resume: str | None
 
         class Perturbed(base):
             def _shard_model(self) -> None:
-                if resume is None:
-                    perturb(self.model)
+                # also when resuming: the checkpoint replaces what it holds (all but a LoRA's frozen base)
+                perturb(self.model)
                 super()._shard_model()
 
         cfg = load_config(CONFIG, overrides(out, **items))
         trainer = Perturbed(cfg, dist.group.WORLD, resume=resume)
+        saved, save = [], trainer.save
+        trainer.save = lambda: saved.append(save()) or saved[-1]  # what each save returned
         trainer.train()
         params = {n: _full(p) for n, p in trainer.model.named_parameters()}
-        return {"params": params if trainer.plan_rank == 0 else {}, "step": trainer.step}
+        ema = _ema_of(trainer.ema)  # collective under FSDP
+        keep = trainer.plan_rank == 0
+        return {"params": params if keep else {}, "ema": ema if keep else {}, "step": trainer.step,
+                "saved": [None if p is None else str(p) for p in saved]}  # fmt: skip
     except Exception:
         return {"error": traceback.format_exc()}
+
+
+def _ema_of(ema) -> dict[str, torch.Tensor]:
+    """The averaged parameters of this rank's model, whole: LoRA's AdapterEMA, FSDP's ShardedEMA
+    (gathered), or the EMA model's."""
+    if hasattr(ema, "state"):
+        return {n: t.clone() for n, t in ema.state.items()}
+    if hasattr(ema, "params"):
+        return {n: _full(t) for n, t in ema.params.items()}
+    return {n: p.detach().clone() for n, p in ema.model.named_parameters()}
+
+
+def _params_of(res: list[dict], step: int = STEPS, ema: bool = False) -> dict:
+    """The whole model's weights (or EMA) from the ranks of a finished run (each plan rank 0 sends its
+    stage's). Every save returned its step directory on rank 0 and None on the others."""
+    assert all("error" not in r for r in res), [r.get("error") for r in res]
+    assert res[0]["saved"] and None not in res[0]["saved"], "rank 0's save returned no step directory"
+    assert all(p is None for r in res[1:] for p in r["saved"]), "a rank but 0 returned a checkpoint"
+    params = {}
+    for r in res:
+        assert r["step"] == step
+        params.update(r["ema" if ema else "params"])
+    return params
+
+
+def assert_ema_resumed(res: list[dict], step_dir: Path) -> None:
+    """One step after resuming ``step_dir``, the EMA is one lerp from the checkpoint's average toward
+    the final weights. Bound: lerp(a, b, w) = a + w (b - a) rounds three times, each by at most u of
+    max(|a|, |b|); an EMA restarted at the weights instead sits ~lr (1e-3) away."""
+    saved = {}
+    for folder in sorted((step_dir / "stages").iterdir()):
+        saved.update(load_file(str(folder / "ema.safetensors")))
+    params, ema = _params_of(res), _params_of(res, ema=True)
+    assert ema and ema.keys() <= saved.keys()
+    for name, got in ema.items():
+        a, b = saved[name], params[name]
+        bound = 4 * U * torch.maximum(a.abs(), b.abs())
+        assert ((got - torch.lerp(a, b, 1 - DECAY)).abs() <= bound).all(), f"EMA {name} not resumed"
 
 
 def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
@@ -193,24 +245,73 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
     assert all("error" not in r for r in out), [r.get("error") for r in out]
     step_dir = tmp_path / "pp2" / "checkpoints" / "step_000002"
     assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
+    cfg = to_dict(load_config(CONFIG, overrides(str(tmp_path / "pp2"), **first)))
+    assert yaml.safe_load((step_dir / "config.yaml").read_text()) == cfg
+    assert list(yaml.safe_load((step_dir / "config.yaml").read_text())) == list(cfg), "not the config's order"
     _, ref_params = reference
-    for world_size, pp in ((2, 1), (3, 3)):
-        then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 96 if pp == 1 else 200}
-        res = run_gloo(_train, world_size, str(tmp_path / f"pp{pp}"), then, str(step_dir), timeout_s=180)
-        assert all("error" not in r for r in res), [r.get("error") for r in res]
-        params = {}
-        for r in res:
-            assert r["step"] == 3
-            params.update(r["params"])
-        assert params.keys() == ref_params.keys()
-        for name, p in ref_params.items():
-            torch.testing.assert_close(
-                params[name],
-                p,
-                atol=2 * ETA * STEPS * LR,
-                rtol=4 * U * STEPS,
-                msg=lambda m, name=name, pp=pp: f"resumed at pp_size={pp}: {name}: {m}",
-            )
+    for world_size, pp, fsdp in ((2, 1, "none"), (3, 3, "none"), (4, 2, "per_step")):
+        then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 200 if pp == 3 else 96}
+        then["parallel.fsdp"] = fsdp
+        res = run_gloo(
+            _train, world_size, str(tmp_path / f"to{pp}_{fsdp}"), then, str(step_dir), timeout_s=180
+        )
+        assert_weights_close(_params_of(res), ref_params, f"resumed at pp_size={pp}, fsdp={fsdp}")
+        assert_ema_resumed(res, step_dir)
+
+
+def test_fsdp_stage_checkpoint_resumes_bitwise_and_unsharded(reference, tmp_path):
+    """PP 2 x 2 (W=4) with FSDP per_step stages: a run stopped at its step-2 checkpoint (every tensor
+    gathered whole to its stage's plan rank 0), resumed at the same layout, ends bit for bit where an
+    uninterrupted 3-step run does (the same plans and sums, the shards loaded back exactly: the
+    bitwise check of tests/test_fsdp.py's resume); resumed with replicated weights and no pipeline
+    (W=2, pp_size 1) it ends at the single-process weights within the bound above."""
+    fsdp = {"parallel.pp_size": 2, "parallel.fsdp": "per_step", "train.checkpoint_every": 2}
+    whole = run_gloo(_train, 4, str(tmp_path / "whole"), {**fsdp, "train.max_steps": 3}, None)
+    stopped = run_gloo(_train, 4, str(tmp_path / "stopped"), {**fsdp, "train.max_steps": 2}, None)
+    step_dir = tmp_path / "stopped" / "checkpoints" / "step_000002"
+    _params_of(stopped, 2)
+    assert stopped[0]["saved"] == [str(step_dir)]
+    assert sorted(p.name for p in (step_dir / "stages").iterdir()) == ["stage_0", "stage_1"]
+    res = run_gloo(_train, 4, str(tmp_path / "resumed"), {**fsdp, "train.max_steps": 3}, str(step_dir))
+    for ema in (False, True):
+        got, want = _params_of(res, ema=ema), _params_of(whole, ema=ema)
+        assert got.keys() == want.keys()
+        for name, p in want.items():
+            assert torch.equal(got[name], p), f"FSDP stages resumed at step 2: {name} (ema={ema}) differs"
+    flat = {"parallel.pp_size": 1, "parallel.fsdp": "none", "train.max_steps": 3}
+    unsharded = run_gloo(_train, 2, str(tmp_path / "flat"), flat, str(step_dir))
+    _, ref_params = reference
+    assert_weights_close(_params_of(whole), ref_params, "FSDP stages, uninterrupted")
+    assert_weights_close(_params_of(unsharded), ref_params, "FSDP stages resumed at pp_size=1, replicated")
+    assert_ema_resumed(unsharded, step_dir)
+
+
+def test_stage_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
+    """A resume names the first tensor the stage files lack and how many more, and refuses a folder
+    that holds no stages; no process is spawned."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from dit.model import VideoDiT
+    from dynamic_cp.runtime.pipeline_checkpoint import resume_pipeline_checkpoint
+
+    model = VideoDiT(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        text_dim=20, freq_dim=16, ffn_dim=40, num_layers=2,
+    )  # fmt: skip
+    trainer = SimpleNamespace(model=model, lora=False, ema=None)
+    with pytest.raises(
+        ValueError, match="written without pipeline stages; resume it with parallel.pp_size=1"
+    ):
+        resume_pipeline_checkpoint(trainer, tmp_path)
+    (tmp_path / "stages" / "stage_0").mkdir(parents=True)
+    held = {n: t for n, t in model.state_dict().items() if not n.startswith("blocks.1.")}
+    save_file(held, str(tmp_path / "stages" / "stage_0" / "model.safetensors"))
+    missing = sorted(set(model.state_dict()) - set(held))
+    assert len(missing) > 2
+    with pytest.raises(ValueError, match=rf"holds no {missing[0]} \(and {len(missing) - 1} more\)"):
+        resume_pipeline_checkpoint(trainer, tmp_path)
 
 
 @pytest.mark.parametrize("per_token", [False, True])

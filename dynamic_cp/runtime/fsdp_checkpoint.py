@@ -309,21 +309,29 @@ def load_fsdp_checkpoint(step_dir: Path, model, optimizer, ema: ShardedEMA | Non
         )
 
     full = _read_pretrained(model.config, step_dir / "model", load_weights)
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, full, options=options)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     plain = state.pop("optimizer")
     by_name = {
         "state": {names[i]: s for i, s in plain["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in plain["param_groups"]],
     }
-    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    ema_full = None
     if ema is not None:
         ema_dir = step_dir / "ema" if (step_dir / "ema").is_dir() else step_dir / "model"
         ema_full = _read_pretrained(model.config, ema_dir, load_weights)
+    load_full_state(model, optimizer, ema, full, by_name, ema_full)
+    return state
+
+
+def load_full_state(model, optimizer, ema: ShardedEMA | None, full: dict, by_name: dict, ema_full) -> None:
+    """Full weights, an optimizer state dict keyed by parameter name and the full EMA (every rank holds
+    them all) into the sharded model, optimizer and EMA, each rank keeping its shards."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, full, options=options)
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    if ema is not None:
         for name, t in ema.params.items():
             t.copy_(torch.distributed.tensor.distribute_tensor(ema_full[name], t.device_mesh, t.placements))
-    return state
 
 
 def _has_ema(step_dir: Path) -> bool:

@@ -32,6 +32,11 @@ from dynamic_cp.runtime.fsdp_checkpoint import (
     load_fsdp_checkpoint,
     save_fsdp_checkpoint,
 )
+from dynamic_cp.runtime.pipeline_checkpoint import (
+    is_pipeline_checkpoint,
+    resume_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 
 
 class FSDPTrainer(DistributedTrainer):
@@ -41,11 +46,6 @@ class FSDPTrainer(DistributedTrainer):
             raise ValueError(
                 f"parallel.fsdp={cfg.parallel.fsdp} resolves to 'none' here; use DistributedTrainer "
                 "(dynamic_cp.runtime.distributed_trainer.trainer_class picks the right one)"
-            )
-        if cfg.parallel.pp_size > 1 and resume is not None:
-            raise ValueError(
-                f"parallel.fsdp={self.fsdp_mode} with parallel.pp_size={cfg.parallel.pp_size} writes no "
-                "checkpoint yet; resume with parallel.fsdp=none (stage checkpoints), or pp_size=1"
             )
         super().__init__(cfg, world, resume=resume, device=device)
         if cfg.train.async_checkpoint:  # DCP's async_save, in place of the replicated background writer
@@ -88,11 +88,8 @@ class FSDPTrainer(DistributedTrainer):
     # ----------------------------------------------------------------------------- checkpoints
 
     def save(self):
-        if self.pipeline is not None:
-            raise ValueError(
-                f"parallel.fsdp={self.fsdp_mode} with parallel.pp_size={self.cfg.parallel.pp_size}: stage "
-                "checkpoints of sharded weights are not written yet; use parallel.fsdp=none under pipeline stages"
-            )
+        if self.pipeline is not None:  # each stage's plan rank 0 writes its blocks, gathered whole
+            return save_pipeline_checkpoint(self)
         state = {"lr_schedule": self.lr_schedule.state_dict(), "bad_steps": self.bad_steps}
         args = (self.out / "checkpoints", self.step, self.model, self._optimizers(), self.ema, state)
         rest = (to_dict(self.cfg), self.cfg.train.keep_checkpoints)
@@ -110,6 +107,8 @@ class FSDPTrainer(DistributedTrainer):
 
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
+        if self.pipeline is not None or is_pipeline_checkpoint(step_dir):  # pipeline_checkpoint.py
+            return resume_pipeline_checkpoint(self, step_dir)
         state = load_fsdp_checkpoint(step_dir, self.model, self._optimizers(), self.ema)
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.step = state["step"]

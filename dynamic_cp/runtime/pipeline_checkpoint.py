@@ -5,10 +5,15 @@ Layout of ``<output_dir>/checkpoints/step_000100/`` under ``parallel.pp_size > 1
     stages/stage_{p}/ema.safetensors     its EMA (the adapters' under LoRA)
     stages/stage_{p}/optim.safetensors   its AdamW moments, ``{parameter name}/{state}`` (no pickle)
     trainer.pt, config.yaml, learner     rank 0's, as in replicated checkpoints
+    model/, ema/ (LoRA)                  rank 0's merge of every stage's adapters, in diffusers'
+                                         LoRA format: what the run exports (``dit.lora``)
 Plan rank 0 of each stage writes its stage (under ZeRO-1 the stage's moments are gathered to it
-first); rank 0 renames the ``.tmp`` folder into place after a world barrier, so the commit is atomic
-as in ``dit/checkpoint.py``. Names are global, so resuming reads every stage's files and keeps what
-this rank holds: the run may resume at another ``pp_size``, 1 (no pipeline) included, on any world.
+first; under FSDP every tensor is gathered to it whole, one at a time, over the stage's ranks);
+rank 0 renames the ``.tmp`` folder into place after a world barrier, so the commit is atomic as in
+``dit/checkpoint.py``. Under LoRA a stage writes its adapters alone (the base is model.pretrained).
+Names are global and tensors whole, so resuming reads every stage's files and keeps what this rank
+holds (under FSDP: its shards): the run may resume at another ``pp_size``, 1 (no pipeline)
+included, on any world, with replicated or FSDP-sharded weights either side.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from dit.checkpoint import (
     begin_checkpoint,
@@ -29,6 +35,7 @@ from dit.checkpoint import (
 )
 
 STAGES = "stages"
+MODEL, EMA, OPTIM = "model.safetensors", "ema.safetensors", "optim.safetensors"
 
 
 def _ordered_params(optimizer) -> list[torch.nn.Parameter]:
@@ -58,17 +65,13 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
     if trainer.is_main:
         begin_checkpoint(root, step)
     dist.barrier(group=trainer.world)  # the fresh tmp directory exists before anyone writes into it
-    if trainer.plan_rank == 0:
-        folder = tmp / STAGES / f"stage_{pipe.stage}"
-        folder.mkdir(parents=True)
-        weights = {n: t.detach().cpu().contiguous() for n, t in trainer.model.state_dict().items()}
-        save_file(weights, str(folder / "model.safetensors"))
-        ema = _ema_state(trainer.ema)
-        if ema is not None:
-            save_file(
-                {n: t.detach().cpu().contiguous() for n, t in ema.items()}, str(folder / "ema.safetensors")
-            )
-        save_file(_optimizer_tensors(trainer), str(folder / "optim.safetensors"))
+    # collective over the stage's ranks under FSDP; {} but on the stage's plan rank 0
+    files = _stage_files(trainer, trainer.plan_rank == 0)
+    folder = tmp / STAGES / f"stage_{pipe.stage}"
+    for name, tensors in files.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        if tensors is not None:
+            save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(folder / name))
     for opt in sharded:
         opt._all_state_dicts = []  # see DistributedTrainer.save
     if not trainer.is_main:
@@ -76,6 +79,12 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
     dist.barrier(group=trainer.world)  # every stage's files are on disk
     if not trainer.is_main:
         return None
+    if trainer.lora:  # the run's LoRA, every stage's adapters in one diffusers file (model/, ema/)
+        from dit.lora import save_stages_lora
+
+        save_stages_lora(trainer.model, tmp / "model", _read(tmp, MODEL))
+        if trainer.ema is not None:
+            save_stages_lora(trainer.model, tmp / "ema", _read(tmp, EMA))
     save_trainer_state(tmp / "trainer.pt", {**state, "step": step, "rng": rng_state()})
     import yaml
 
@@ -84,6 +93,47 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
         (tmp / name).write_text(text)
     trainer.learner.save(trainer.out, step)
     return commit_checkpoint(root, step, trainer.cfg.train.keep_checkpoints)
+
+
+def _is_sharded(trainer) -> bool:
+    return getattr(trainer, "fsdp_mode", "none") != "none"  # FSDPTrainer: DTensor weights and moments
+
+
+def _saved_names(trainer) -> list[str]:
+    """What a stage saves of its model: every tensor, or under LoRA the adapters alone."""
+    if trainer.lora:
+        return [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    return list(trainer.model.state_dict())
+
+
+def _whole(tensors: dict, keep: bool) -> dict[str, torch.Tensor]:
+    """Collective over the stage under FSDP: each tensor whole (a DTensor gathered over its mesh, one
+    at a time), on the CPU where ``keep``; {} elsewhere."""
+    out = {}
+    for name, t in tensors.items():
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = t.detach().cpu()
+    return out
+
+
+def _stage_files(trainer, keep: bool) -> dict[str, dict | None]:
+    """{file name: tensors} of this stage (``keep``: plan rank 0, the others get {}); under FSDP every
+    rank of the stage calls it, in one order."""
+    model = trainer.model
+    names = set(_saved_names(trainer))
+    if not _is_sharded(trainer):
+        if not keep:
+            return {}
+        weights = {n: t for n, t in model.state_dict().items() if n in names}
+        return {MODEL: weights, EMA: _ema_state(trainer.ema), OPTIM: _optimizer_tensors(trainer)}
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    weights = _whole({n: t for n, t in model.state_dict().items() if n in names}, keep)
+    ema = trainer.ema.full_state_dict(keep) if trainer.ema is not None else None
+    state = get_optimizer_state_dict(model, trainer.optimizer)["state"]  # keyed by parameter name
+    moments = _whole({f"{n}/{k}": v for n, s in state.items() for k, v in s.items()}, keep)
+    return {MODEL: weights, EMA: ema, OPTIM: moments} if keep else {}
 
 
 def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:
@@ -114,47 +164,70 @@ def _read(step_dir: Path, file: str) -> dict[str, torch.Tensor]:
 
 def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
     """Load a stage checkpoint into this rank's model (its stage's part, or the whole model without a
-    pipeline), EMA and optimizer; restore the schedule, step and RNG."""
+    pipeline; its shards under FSDP), EMA and optimizer; restore the schedule, step and RNG."""
+    if not is_pipeline_checkpoint(step_dir):
+        raise ValueError(
+            f"{step_dir} was written without pipeline stages; resume it with parallel.pp_size=1, or start "
+            f"a pipeline run from its weights with model.pretrained={step_dir / 'model'}"
+        )
     model = trainer.model
-    weights = _read(step_dir, "model.safetensors")
-    own = model.state_dict()
+    weights = _read(step_dir, MODEL)
+    own = _saved_names(trainer)
     missing = sorted(set(own) - set(weights))
     if missing:
         raise ValueError(
             f"{step_dir} holds no {missing[0]} (and {len(missing) - 1} more): its stages do not add up to "
             "this model; resume with the model config it was written with"
         )
-    model.load_state_dict({n: weights[n] for n in own})
-    if trainer.ema is not None:
-        ema = _read(step_dir, "ema.safetensors")
-        target = trainer.ema.state if hasattr(trainer.ema, "state") else trainer.ema.model.state_dict()
-        with torch.no_grad():
-            for name, t in target.items():
-                t.copy_(ema.get(name, weights.get(name, t)))  # saved without EMA: start at the weights
-    moments = _read(step_dir, "optim.safetensors")
-    opt = trainer.optimizer
-    params = _ordered_params(opt)
+    weights = {n: weights[n] for n in own}
+    ema = _read(step_dir, EMA) if trainer.ema is not None else {}
     names = {id(p): n for n, p in model.named_parameters()}
-    state = {}
-    for i, p in enumerate(params):
-        mine = {k.rsplit("/", 1)[1]: v for k, v in moments.items() if k.rsplit("/", 1)[0] == names[id(p)]}
-        if mine:
-            state[i] = mine
-    index = {id(p): i for i, p in enumerate(params)}
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
-        for g in opt.param_groups
-    ]
-    opt.load_state_dict({"state": state, "param_groups": groups})
-    for part in trainer._zero_parts():
-        part.state.clear()  # the live moments are in its inner AdamW (DistributedTrainer.__init__)
+    held = {names[id(p)] for p in _ordered_params(trainer.optimizer)}
+    moments: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> its AdamW state
+    for key, t in _read(step_dir, OPTIM).items():
+        name, _, state_key = key.rpartition("/")
+        if name in held:
+            moments.setdefault(name, {})[state_key] = t
+    (_load_sharded if _is_sharded(trainer) else _load_replicated)(trainer, weights, ema, moments, names)
     saved = load_trainer_state(step_dir)
     trainer.lr_schedule.load_state_dict(saved["lr_schedule"])
     # the groups' lr is the schedule's last (the fresh optimizer's is the schedule's step-0 value)
-    for group, lr in zip(opt.param_groups, trainer.lr_schedule.get_last_lr()):
+    for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_schedule.get_last_lr()):
         group["lr"] = lr
     trainer.step, trainer.bad_steps = saved["step"], saved["bad_steps"]
     set_rng_state(saved["rng"])
     trainer._truncate_metrics(trainer.step)
     if trainer.is_main:
         print(f"resumed from {step_dir} at step {trainer.step} (pipeline stages)")
+
+
+def _groups(opt, key) -> list[dict]:
+    """The optimizer's param groups with ``key(parameter)`` in place of each parameter."""
+    return [{**g, "params": [key(p) for p in g["params"]]} for g in opt.param_groups]
+
+
+def _load_replicated(trainer, weights: dict, ema: dict, moments: dict, names: dict) -> None:
+    trainer.model.load_state_dict(weights, strict=not trainer.lora)  # LoRA: the adapters alone
+    if trainer.ema is not None:
+        target = trainer.ema.state if hasattr(trainer.ema, "state") else trainer.ema.model.state_dict()
+        with torch.no_grad():
+            for name, t in target.items():
+                t.copy_(ema.get(name, weights.get(name, t)))  # saved without EMA: start at the weights
+    opt = trainer.optimizer
+    index = {id(p): i for i, p in enumerate(_ordered_params(opt))}
+    state = {index[id(p)]: moments[names[id(p)]] for p in _ordered_params(opt) if names[id(p)] in moments}
+    opt.load_state_dict({"state": state, "param_groups": _groups(opt, lambda p: index[id(p)])})
+    for part in trainer._zero_parts():
+        part.state.clear()  # the live moments are in its inner AdamW (DistributedTrainer.__init__)
+
+
+def _load_sharded(trainer, weights: dict, ema: dict, moments: dict, names: dict) -> None:
+    """FSDP: every rank holds the whole tensors and keeps its shards (``load_full_state``)."""
+    from dynamic_cp.runtime.fsdp_checkpoint import load_full_state
+
+    full_ema = None
+    if trainer.ema is not None:  # saved without EMA: start at the weights
+        full_ema = {n: ema.get(n, weights.get(n)) for n in trainer.ema.params}
+    opt = trainer.optimizer
+    by_name = {"state": moments, "param_groups": _groups(opt, lambda p: names[id(p)])}
+    load_full_state(trainer.model, opt, trainer.ema, weights, by_name, full_ema)  # no LoRA under FSDP
