@@ -179,23 +179,35 @@ class DistributedTrainer(Trainer):
         parts = self.optimizer.parts.values() if self.both else [self.optimizer]
         return [opt for opt in parts if isinstance(opt, ZeroRedundancyOptimizer)]
 
+    # ----------------------------------------------------------------------------- checkpoints
+    # One path for every format: stage files under pipeline stages (pipeline_checkpoint.py, any
+    # pp_size reads them), else the weights' own format (``_save_weights``/``_resume_weights``: rank
+    # 0's replicated checkpoint here, DCP shards in FSDPTrainer). Each holds ``checkpoint_extras``
+    # (the learned costs), and rank 0 saves the learner's files beside it.
+
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
-        if is_pipeline_checkpoint(step_dir):  # any pp_size reads a stage checkpoint
-            return resume_pipeline_checkpoint(self, step_dir)
-        if self.pipeline is not None:
-            raise ValueError(
-                f"{step_dir} was written without pipeline stages; resume it with parallel.pp_size=1, or start "
-                f"a pipeline run from its weights with model.pretrained={step_dir / 'model'}"
-            )
+        if self.pipeline is not None or is_pipeline_checkpoint(step_dir):
+            return resume_pipeline_checkpoint(self, step_dir)  # names the fix for a stage-less one
+        self._resume_weights_format(path)
+
+    def _resume_weights_format(self, path: str) -> None:
         super()._resume(path)
 
     def checkpoint_extras(self) -> dict[str, str]:
         return {STATE_FILE: json.dumps(self.learner.state_dict())}
 
     def save(self):
-        if self.pipeline is not None:  # each stage writes its blocks (pipeline_checkpoint.py)
-            return save_pipeline_checkpoint(self)
+        """Collective; -> the step directory on rank 0 (None elsewhere, and for background writes)."""
+        if self.pipeline is not None:  # each stage writes its blocks
+            step_dir = save_pipeline_checkpoint(self)
+        else:
+            step_dir = self._save_weights_format()
+        if self.is_main:
+            self.learner.save(self.out, self.step)
+        return step_dir
+
+    def _save_weights_format(self):
         sharded = self._zero_parts()
         for opt in sharded:
             opt.consolidate_state_dict(to=0)  # collective: every rank sends its moments
@@ -205,9 +217,7 @@ class DistributedTrainer(Trainer):
                 # test-only, off by default: a rank that writes nothing dies while rank 0 writes
                 kill_point_for_tests(self.step, self.out / "checkpoints" / f"step_{self.step:06d}.tmp")
                 return None
-            step_dir = super().save()  # with the learner's state (checkpoint_extras)
-            self.learner.save(self.out, self.step)
-            return step_dir
+            return super().save()  # Trainer.save, with checkpoint_extras
         finally:
             for opt in sharded:
                 # torch keeps the gathered moments of every rank on rank 0 until the next gather

@@ -32,11 +32,6 @@ from dynamic_cp.runtime.fsdp_checkpoint import (
     load_fsdp_checkpoint,
     save_fsdp_checkpoint,
 )
-from dynamic_cp.runtime.pipeline_checkpoint import (
-    is_pipeline_checkpoint,
-    resume_pipeline_checkpoint,
-    save_pipeline_checkpoint,
-)
 
 
 class FSDPTrainer(DistributedTrainer):
@@ -87,15 +82,12 @@ class FSDPTrainer(DistributedTrainer):
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def save(self):
-        if self.pipeline is not None:  # each stage's plan rank 0 writes its blocks, gathered whole
-            return save_pipeline_checkpoint(self)
+    def _save_weights_format(self):
+        """DCP shards written by every rank, plus the consolidated export (fsdp_checkpoint.py)."""
         state = {"lr_schedule": self.lr_schedule.state_dict(), "bad_steps": self.bad_steps}
         args = (self.out / "checkpoints", self.step, self.model, self._optimizers(), self.ema, state)
         rest = (to_dict(self.cfg), self.cfg.train.keep_checkpoints)
         extra = self.checkpoint_extras()  # the learner's state, as replicated checkpoints hold it
-        if self.is_main:
-            self.learner.save(self.out, self.step)
         if self._background is not None:  # staged now, written by DCP's thread; check() reports failures
             self._background.save(*args, *rest, extra)
             return None
@@ -105,10 +97,8 @@ class FSDPTrainer(DistributedTrainer):
         """The optimizer, or the experts' (DCP's state-dict functions take a list)."""
         return list(self.optimizer.parts.values()) if self.both else self.optimizer
 
-    def _resume(self, path: str) -> None:
+    def _resume_weights_format(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
-        if self.pipeline is not None or is_pipeline_checkpoint(step_dir):  # pipeline_checkpoint.py
-            return resume_pipeline_checkpoint(self, step_dir)
         state = load_fsdp_checkpoint(step_dir, self.model, self._optimizers(), self.ema)
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.step = state["step"]

@@ -4,7 +4,7 @@ Layout of ``<output_dir>/checkpoints/step_000100/`` under ``parallel.pp_size > 1
     stages/stage_{p}/model.safetensors   stage p's weights under their global names (``blocks.{i}``)
     stages/stage_{p}/ema.safetensors     its EMA (the adapters' under LoRA)
     stages/stage_{p}/optim.safetensors   its AdamW moments, ``{parameter name}/{state}`` (no pickle)
-    trainer.pt, config.yaml, learner     rank 0's, as in replicated checkpoints
+    trainer.pt, config.yaml, extras      rank 0's, as in replicated checkpoints
     model/, ema/ (LoRA)                  rank 0's merge of every stage's adapters, in diffusers'
                                          LoRA format: what the run exports (``dit.lora``)
 Plan rank 0 of each stage writes its stage (under ZeRO-1 the stage's moments are gathered to it
@@ -91,7 +91,6 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
     (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(trainer.cfg), sort_keys=False))
     for name, text in trainer.checkpoint_extras().items():
         (tmp / name).write_text(text)
-    trainer.learner.save(trainer.out, step)
     return commit_checkpoint(root, step, trainer.cfg.train.keep_checkpoints)
 
 
