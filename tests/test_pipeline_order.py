@@ -202,7 +202,7 @@ def test_plan_for_pipeline_tries_each_size_set_and_cap(monkeypatch):
     )
     lengths = workload("openvid", 24, seed=6)
     plan_for_pipeline(lengths, 16, 32_000, CM, [15, 15], evals=4)
-    caps = [32_000 * f for f in (1.0, 0.5, 0.25, 0.125)]
+    caps = [32_000 * f for f in (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)]
     tried = [(c, (1, 2, 4, 8, 16)) for c in caps] + [(c, (8, 16)) for c in caps]
     assert calls[: len(tried)] == tried[: len(calls)] and len(calls) >= 5
     calls.clear()
@@ -210,7 +210,7 @@ def test_plan_for_pipeline_tries_each_size_set_and_cap(monkeypatch):
     assert {cp for _, cp in calls} == {(1, 2, 4), (4,)} and pipeline_order.NUM_CANDIDATES == 3
     calls.clear()
     plan_for_pipeline([1_000] * 4, 1, 32_000, CM, [15, 15], evals=4)  # one rank: one size set
-    assert calls == [(32_000 * f, (1,)) for f in (1.0, 0.5, 0.25, 0.125)]
+    assert calls == [(32_000 * f, (1,)) for f in (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)]
     calls.clear()
     plan_for_pipeline(lengths, 16, 32_000, CM, [15, 15], evals=4, cp_sizes=[1, 2, 16])  # the run's sizes
     assert {cp for _, cp in calls} == {(1, 2, 16), (16,)}

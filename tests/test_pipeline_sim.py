@@ -151,15 +151,63 @@ def _permute(plan, costs, order):
 def test_bound_never_exceeds_any_order(schedule):
     rng = random.Random(7)
     for _ in range(12):
-        pp, R, n = rng.choice([(2, 2, 4), (3, 2, 4), (2, 4, 5), (4, 1, 4)])
+        pp, R, n = rng.choice([(2, 2, 4), (3, 2, 4), (2, 4, 5), (4, 1, 4), (2, 1, 5), (3, 1, 5)])
         plan, costs = _random_plan(rng, R, n), _random_costs(rng, pp, n)
-        bound = order_lower_bound(plan, costs)
+        bound = order_lower_bound(plan, costs, schedule)
         steps = []
         for order in itertools.permutations(range(n)):
             p, c = _permute(plan, costs, list(order))
-            assert order_lower_bound(p, c) == pytest.approx(bound, rel=REL)  # order-free
+            assert order_lower_bound(p, c, schedule) == pytest.approx(bound, rel=REL)  # order-free
             steps.append(simulate_pipeline(p, [1] * n, CM, [1] * pp, schedule, costs=c).step_s)
         assert bound <= min(steps) * (1 + REL)
+
+
+def test_bound_counts_fill_and_drain_of_distinct_micro_batches_by_hand():
+    # one rank, 2 stages, a tiny micro-batch and two big ones; f = 0.1, 1, 1 and b = 0.2, 2, 2 on
+    # both stages, free p2p. Stage 1 (no round trip): the first and the last micro-batch differ, so
+    # head + tail >= min(0.1 + 2, 1 + 0.2) = 1.2 over work 6.3: 7.5 (head and tail both of the tiny
+    # one gave 6.6). Stage 0 (warm-up 1): a big one's round trip 3 less one forward 1 leaves 2 to wait
+    # if first, less one backward 2 leaves 1 if last; the tiny one waits nothing: 6.3 + 1 = 7.3.
+    plan = Plan([((0,), [m]) for m in range(3)], 1, 1e9)
+    f, b = [0.1, 1.0, 1.0], [0.2, 2.0, 2.0]
+    costs = StageCosts([f, f], [b, b], [[0.0] * 3], [0.0, 0.0])
+    assert order_lower_bound(plan, costs) == pytest.approx(7.5, rel=REL)
+    steps = []
+    for order in itertools.permutations(range(3)):
+        p, c = _permute(plan, costs, list(order))
+        steps.append(simulate_pipeline(p, [1] * 3, CM, [1, 1], costs=c).step_s)
+    assert min(steps) >= 7.5 * (1 - REL)
+    # stage 0 binds when stage 1 is free and each boundary costs 1.5 each way: every round trip is
+    # 3; under 1F1B the first waits 3 - 1 (one forward), the last 3 - 2 (one backward): 6.3 + 3; the
+    # tiny one first and last would have waited nothing (the old bound: 6.3). Order 0, 1, 2 replays
+    # at exactly 9.3. Stage 1: 0 work + min(0.1 + 2, 1 + 0.2) + 2 x 1.5 = 4.2.
+    free = [0.0] * 3
+    costs = StageCosts([f, free], [b, free], [[1.5] * 3], [0.0, 0.0])
+    assert order_lower_bound(plan, costs) == pytest.approx(9.3, rel=REL)
+    assert simulate_pipeline(plan, [1] * 3, CM, [1, 1], costs=costs).step_s == pytest.approx(9.3, rel=REL)
+    # GPipe: the other two forwards cover the first's round trip but 1 (3 - 2), and the waits may
+    # overlap, so only the larger counts: 6.3 + 1
+    assert order_lower_bound(plan, costs, "gpipe") == pytest.approx(7.3, rel=REL)
+    for order in itertools.permutations(range(3)):
+        p, c = _permute(plan, costs, list(order))
+        for schedule, bound in (("1f1b", 9.3), ("gpipe", 7.3)):
+            assert simulate_pipeline(p, [1] * 3, CM, [1, 1], schedule, costs=c).step_s >= bound * (1 - REL)
+    # a single micro-batch waits its own round trip once
+    one = Plan([((0,), [0])], 1, 1e9)
+    assert order_lower_bound(one, StageCosts([[1.0], [2.0]], [[3.0], [4.0]], [[0.5]], [0.0, 0.0])) == 11.0
+
+
+def test_replay_without_timeline_keeps_every_figure():
+    rng = random.Random(11)
+    for _ in range(6):
+        plan, costs = _random_plan(rng, 4, 6), _random_costs(rng, 3, 6)
+        full = simulate_pipeline(plan, [1] * 6, CM, [1] * 3, costs=costs)
+        fast = simulate_pipeline(plan, [1] * 6, CM, [1] * 3, costs=costs, timeline=False)
+        assert (fast.step_s, fast.stage_end, fast.busy_s, fast.peak_tokens) == (
+            full.step_s, full.stage_end, full.busy_s, full.peak_tokens)  # fmt: skip
+        assert fast.segments == [[[] for _ in range(4)] for _ in range(3)]
+        assert all(full.segments[p][r] for p in range(3) for r in range(4) if any(
+            r in g for g, _ in plan.micro_batches))  # fmt: skip
 
 
 def test_bound_is_tight_for_equal_micro_batches():

@@ -65,7 +65,7 @@ def pipeline_row(
         states, act = stage_memory(cm.dims, layers, stage, shard, ckpt)
         mem.append(states + tokens * act)
     return PipeRow(
-        method, s.step_s, s.bubble_fraction(), mem, order_lower_bound(p, costs), p.solver_ms,
+        method, s.step_s, s.bubble_fraction(), mem, order_lower_bound(p, costs, schedule), p.solver_ms,
         p.cp_histogram(), p, s,
     )  # fmt: skip
 

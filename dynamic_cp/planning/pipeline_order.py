@@ -20,8 +20,9 @@ micro-batches as one run; the order
 The result never steps slower than the input order (the input is a candidate). ``plan_for_pipeline``
 also lets the planner choose CP sizes and micro-batch sizes under PP: its default sizes, and the
 sizes from a node up (fewer, larger groups: fewer runs, so fewer drains), each under the memory's
-token cap and under a half and a quarter of it (more, smaller micro-batches: a shorter fill and
-drain against GEMM efficiency and overheads), each ordered, the fastest kept.
+token cap and under ``CAP_FRACTIONS`` of it (more, smaller micro-batches: a shorter fill and drain
+and smaller steps between neighbours, against GEMM efficiency and overheads), each ordered, the
+fastest kept.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from dynamic_cp.planning.pipeline_sim import StageCosts, simulate_pipeline, stag
 from dynamic_cp.planning.plan_types import Plan
 
 # Pack caps tried under PP, as fractions of the memory's cap: smaller micro-batches, more of them,
-# shorter fill and drain, at some GEMM efficiency and per-micro-batch overhead.
-CAP_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+# shorter fill and drain, at some GEMM efficiency and per-micro-batch overhead. The steps are flat
+# near the best (wan-14b, 64 GPUs, openvid: pp 4 86.1 s at 3/8, 88.2 s at 1/2, 89.2 s at 1/4), so
+# a grid of six, not a finer search (docs/planner.md).
+CAP_FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)
 NUM_CANDIDATES = 3  # orders tried before the local search: input, shaped runs, shaped runs by size
 
 
@@ -124,9 +127,9 @@ def order_for_pipeline(
 
     def score(order):
         # the permuted costs are the reordered plan's (a replay, not a new pricing: speed only)
-        sub = reordered(order)
+        sub, c = reordered(order), _permuted(costs, order)
         return simulate_pipeline(
-            sub, lengths, cost_model, layers_per_stage, schedule, costs=_permuted(costs, order)
+            sub, lengths, cost_model, layers_per_stage, schedule, costs=c, timeline=False
         ).step_s
 
     best_s, _, best = min((score(o), k, o) for k, o in enumerate(candidate_orders(plan, trip)))
