@@ -142,17 +142,20 @@ def _random_costs(rng, pp, n, sync=True):
 def _permute(plan, costs, order):
     pick = lambda rows: [[row[i] for i in order] for row in rows]  # noqa: E731
     return (
-        Plan([plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens),
+        Plan(
+            [plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens, pp_warmup=plan.pp_warmup
+        ),
         StageCosts(pick(costs.fwd), pick(costs.bwd), pick(costs.p2p), costs.sync),
     )
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_bound_never_exceeds_any_order(schedule):
+@pytest.mark.parametrize("schedule, warmup", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+def test_bound_never_exceeds_any_order(schedule, warmup):
     rng = random.Random(7)
     for _ in range(12):
         pp, R, n = rng.choice([(2, 2, 4), (3, 2, 4), (2, 4, 5), (4, 1, 4), (2, 1, 5), (3, 1, 5)])
         plan, costs = _random_plan(rng, R, n), _random_costs(rng, pp, n)
+        plan.pp_warmup = warmup
         bound = order_lower_bound(plan, costs, schedule)
         steps = []
         for order in itertools.permutations(range(n)):
@@ -188,6 +191,9 @@ def test_bound_counts_fill_and_drain_of_distinct_micro_batches_by_hand():
     # GPipe: the other two forwards cover the first's round trip but 1 (3 - 2), and the waits may
     # overlap, so only the larger counts: 6.3 + 1
     assert order_lower_bound(plan, costs, "gpipe") == pytest.approx(7.3, rel=REL)
+    deep = Plan(plan.micro_batches, 1, 1e9, pp_warmup=2)  # 1F1B, warm-up 2 of 3: GPipe's op list
+    assert order_lower_bound(deep, costs) == pytest.approx(7.3, rel=REL)
+    assert simulate_pipeline(deep, [1] * 3, CM, [1, 1], costs=costs).step_s >= 7.3 * (1 - REL)
     for order in itertools.permutations(range(3)):
         p, c = _permute(plan, costs, list(order))
         for schedule, bound in (("1f1b", 9.3), ("gpipe", 7.3)):
@@ -226,19 +232,21 @@ def test_bound_is_tight_for_equal_micro_batches():
     assert [s.segments[p][0][0][0] for p in range(3)] == [0, 1.25, 3.75]  # each boundary its own p2p
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_each_rank_runs_the_schedules_ops_in_order(schedule):
+@pytest.mark.parametrize("schedule, warmup", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+def test_each_rank_runs_the_schedules_ops_in_order(schedule, warmup):
     rng = random.Random(1)
     for pp, R, n in ((2, 4, 9), (3, 2, 7), (4, 4, 11)):
         plan = _random_plan(rng, R, n)
+        plan.pp_warmup = warmup
         s = simulate_pipeline(plan, [1] * n, CM, [1] * pp, schedule, costs=_random_costs(rng, pp, n))
         for p in range(pp):
             for r, runs in enumerate(plan.per_rank()):
                 ran = [(kind, m) for _, _, m, kind in s.segments[p][r]]
-                assert ran == rank_ops(stage_ops(n, pp, p, schedule), runs)
+                assert ran == rank_ops(stage_ops(n, pp, p, schedule, warmup), runs)
         busy = sum(e - b for stage in s.segments for segs in stage for b, e, _, _ in segs)
         assert s.busy_s == pytest.approx(busy, rel=REL)  # every rank of a group is busy
-        assert pipeline_ops(plan, pp, schedule) == [stage_ops(n, pp, p, schedule) for p in range(pp)]
+        want = [stage_ops(n, pp, p, schedule, warmup) for p in range(pp)]
+        assert pipeline_ops(plan, pp, schedule) == want
         for p in range(pp):  # collectives: a micro-batch's ranks start and end it together
             for m, (ranks, _) in enumerate(plan.micro_batches):
                 spans = {seg[:2] for r in ranks for seg in s.segments[p][r] if seg[2] == m and seg[3] == "F"}

@@ -33,9 +33,9 @@ see docs/planner.md "Pipeline stages: planning": rank r of stage p cannot start 
 micro-batch i has crossed stages 0..p-1 (head_i), must do all its work W_pr, and after its last op
 (the backward of its last micro-batch j, not i when it runs two or more) that backward must cross
 stages p-1..0 (tail_j). Between the forward and the backward of i on stage p lies i's round trip
-through the later stages (trip_i), and the rank can fill it with at most `lead` of its other forwards
-(1F1B: pp - p - 1, the warm-up; GPipe: all); likewise j's round trip with at most `lead` of its other
-backwards. So, with fill_i = max(0, trip_i - the `lead` largest other forwards) and drain_j alike,
+through the later stages (trip_i), and the rank can fill it with at most `lead` of its other
+forwards (1F1B: the warm-up, ``Plan.pp_warmup`` x (pp - p - 1); GPipe: all); likewise j's round
+trip with at most `lead` of its other backwards. So, with fill_i = max(0, trip_i - the `lead` largest other forwards) and drain_j alike,
 
     step >= W_pr + min over i != j of head_i + fill_i + drain_j + max(tail_j, sync_p)
 
@@ -162,7 +162,7 @@ def pipeline_ops(plan: Plan, pp: int, schedule: str) -> list[list[tuple[str, int
     out: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
     for seg in _segments_of(plan):
         for p in range(pp):
-            out[p] += [(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule)]
+            out[p] += [(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule, plan.pp_warmup)]
     return out
 
 
@@ -205,7 +205,10 @@ def simulate_pipeline(
     busy = 0.0
     segs = _segments_of(plan)
     for k, seg in enumerate(segs):
-        ops = [[(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule)] for p in range(pp)]
+        ops = [
+            [(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule, plan.pp_warmup)]
+            for p in range(pp)
+        ]
         pos = [0] * pp
         while any(pos[p] < len(ops[p]) for p in range(pp)):
             progressed = False
@@ -263,12 +266,16 @@ def order_lower_bound(plan: Plan, costs: StageCosts, schedule: str = "1f1b") -> 
         for g in sorted({cls[r] for r in ranks}):
             runs.setdefault(g, []).append(m)
     return max(
-        (_rank_bound(costs, p, ms, schedule) for p in range(len(costs.fwd)) for ms in runs.values()),
+        (
+            _rank_bound(costs, p, ms, schedule, plan.pp_warmup)
+            for p in range(len(costs.fwd))
+            for ms in runs.values()
+        ),
         default=0.0,
     )
 
 
-def _rank_bound(costs: StageCosts, p: int, ms: list[int], schedule: str) -> float:
+def _rank_bound(costs: StageCosts, p: int, ms: list[int], schedule: str, warmup: int) -> float:
     """The bound of one rank of stage ``p`` running micro-batches ``ms`` (module docstring)."""
     pp, n = len(costs.fwd), len(ms)
     f, b = costs.fwd[p], costs.bwd[p]
@@ -281,7 +288,7 @@ def _rank_bound(costs: StageCosts, p: int, ms: list[int], schedule: str) -> floa
     }
     # at most `lead` of the rank's other forwards run between F(m) and B(m) of its first m, and at
     # most `lead` other backwards between F(m) and B(m) of its last: 1F1B's warm-up, GPipe's all
-    lead = pp - p - 1 if schedule == "1f1b" else n - 1
+    lead = warmup * (pp - p - 1) if schedule == "1f1b" else n - 1
 
     def covered(row, m):  # the most `lead` of the other micro-batches' `row` can cover
         top = sorted((row[i] for i in ms if i != m), reverse=True)
