@@ -397,3 +397,25 @@ def test_a_deeper_warm_up_where_small_micro_batches_leave_memory():
     assert planned.predicted_step_s == pytest.approx(
         simulate_pipeline(planned, lengths, CM, layers).step_s, rel=REL
     )
+
+
+def test_which_warm_up_fits_which_memory():
+    # one rank, 3 stages, micro-batches of at most 20,000 tokens; memory_cap 40,000 (packs at half
+    # the cap). A: warm-up 2 is the fastest that fits (3 is no faster). B: warm-up 3 is, holding
+    # 64,000 tokens on stage 0 (3 x 21,333) and 50,000 on stage 1 (2 x 25,000): a cap of exactly
+    # 25,000 still holds it (stage 1 at its limit), 24,000 does not on stage 1 alone (stage 0 has
+    # 3 x 24,000 = 72,000), so warm-up 2 (56,000 and 44,000) is kept.
+    layers = default_stage_layers(CM.dims, 3)
+
+    def warmup_of(lengths, memory_cap):
+        p = Plan([((0,), [i]) for i in range(len(lengths))], 1, 20_000)
+        return order_for_pipeline(p, lengths, CM, layers, evals=3, warmups=WARMUPS, memory_cap=memory_cap)
+
+    a = [20_000, 2_000, 6_000, 20_000, 12_000, 20_000, 1_000, 20_000, 1_000]
+    assert warmup_of(a, 40_000).pp_warmup == 2
+    b = [2_000, 20_000, 6_000, 6_000, 1_000, 1_000, 12_000, 12_000, 1_000, 6_000]
+    deep = warmup_of(b, 40_000)
+    assert deep.pp_warmup == 3
+    assert simulate_pipeline(deep, b, CM, layers).peak_tokens == [64_000, 50_000, 20_000]
+    assert warmup_of(b, 25_000).pp_warmup == 3
+    assert warmup_of(b, 24_000).pp_warmup == 2

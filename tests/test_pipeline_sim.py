@@ -201,6 +201,40 @@ def test_bound_counts_fill_and_drain_of_distinct_micro_batches_by_hand():
     # a single micro-batch waits its own round trip once
     one = Plan([((0,), [0])], 1, 1e9)
     assert order_lower_bound(one, StageCosts([[1.0], [2.0]], [[3.0], [4.0]], [[0.5]], [0.0, 0.0])) == 11.0
+    # ... and a middle stage with a long all-reduce binds: head 1 + 0.25, work 2 + 16, its round
+    # trip 4 + 32 + 2 x 0.5, then sync 100 (over its tail 8.25): 156.25, the replay's step
+    costs = StageCosts([[1.0], [2.0], [4.0]], [[8.0], [16.0], [32.0]], [[0.25], [0.5]], [0.0, 100.0, 0.0])
+    assert order_lower_bound(one, costs) == 156.25
+    assert simulate_pipeline(one, [1], CM, [1, 1, 1], costs=costs).step_s == 156.25
+
+
+def test_bound_of_a_middle_stage_by_hand():
+    # one rank, 3 stages; stage 1 binds: f = 0.1, 1, 1 and b = 0.2, 2, 2; stage 0 costs 0.01 each
+    # way, stage 2 0.5; p2p 0.25 on boundary 0, 0.5 on boundary 1. Stage 1: head 0.01 + 0.25, tail
+    # the same; every round trip 0.5 + 0.5 (stage 2) + 2 x 0.5 (boundary 1 only) = 2; warm-up 1:
+    # one other forward (at most 1) covers 1 of the first's trip, one backward (2) all of the
+    # last's: 6.3 + 0.26 + 1 + 0 + 0.26 = 7.82, which the best order replays exactly.
+    f1, b1, tiny = [0.1, 1.0, 1.0], [0.2, 2.0, 2.0], [0.01] * 3
+
+    def bound_and_best(f0, b0, warmup):
+        costs = StageCosts([f0, f1, [0.5] * 3], [b0, b1, [0.5] * 3], [[0.25] * 3, [0.5] * 3], [0.0] * 3)
+        plan = Plan([((0,), [m]) for m in range(3)], 1, 1e9, pp_warmup=warmup)
+        steps = [
+            simulate_pipeline(p, [1] * 3, CM, [1, 1, 1], costs=c).step_s
+            for p, c in (_permute(plan, costs, list(o)) for o in itertools.permutations(range(3)))
+        ]
+        return order_lower_bound(plan, costs), min(steps)
+
+    bound, best = bound_and_best(tiny, tiny, 1)
+    assert bound == pytest.approx(7.82, rel=REL) and best == pytest.approx(7.82, rel=REL)
+    # warm-up 2: two other forwards (1.1 or 2) cover the trip but 0.9 (micro-batch 0 first: 0), and
+    # the waits may overlap (3 micro-batches, not more than 2 + 1): 6.3 + 0.26 + 0 + 0.26
+    bound, best = bound_and_best(tiny, tiny, 2)
+    assert bound == pytest.approx(6.82, rel=REL) and bound <= best
+    # micro-batch 0 now has the shortest head and tail (0.26 against 0.55 and 0.85), but it cannot
+    # be both first and last: 6.3 + min(0.26 + 0 + 0.85, 0.55 + 0.9 + 0.26) = 7.41
+    bound, best = bound_and_best([0.01, 0.3, 0.3], [0.01, 0.6, 0.6], 2)
+    assert bound == pytest.approx(7.41, rel=REL) and bound <= best
 
 
 def test_replay_without_timeline_keeps_every_figure():

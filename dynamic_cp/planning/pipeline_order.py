@@ -3,12 +3,12 @@
 The runtime runs ``plan.micro_batches`` in list order through ``pipeline_schedule.stage_ops``, so the
 order returned here IS the pipeline schedule. Why order matters: a stage's op list is one sequence
 over all micro-batches, so a rank gets a forward ahead of its pending backward only when its next
-micro-batch sits within the stage's warm-up distance (pp - stage - 1, times ``Plan.pp_warmup``) in
-the list. Where a rank
-leaves one CP group for another (a run of micro-batches of one group ends) it drains and refills:
-it idles for the round trip of the run's last micro-batch through the later stages, and the next
-run's first micro-batch fills the stages again. The planner already emits each group's
-micro-batches as one run; the order
+micro-batch sits within the stage's warm-up distance (``Plan.pp_warmup`` x (pp - stage - 1)) in the
+list. Where a rank leaves one CP group for another (a run of micro-batches of one group ends) it
+drains and refills: it idles for the round trip of the run's last micro-batch through the later
+stages, and the next run's first micro-batch fills the stages again. The planner already emits
+each group's micro-batches as one run;
+the order
 
     1. keeps the runs, and within each run puts the micro-batch with the shortest round trip last
        (the drain) and the next shortest first (the fill), the others rising then falling in size
@@ -43,7 +43,7 @@ from dynamic_cp.planning.plan_types import Plan
 # Pack caps tried under PP, as fractions of the memory's cap: smaller micro-batches, more of them,
 # shorter fill and drain, at some GEMM efficiency and per-micro-batch overhead. The steps are flat
 # near the best (wan-14b, 64 GPUs, openvid: pp 4 86.1 s at 3/8, 88.2 s at 1/2, 89.2 s at 1/4), so
-# a grid of six, not a finer search (docs/planner.md).
+# a grid of five, not a finer search (docs/planner.md).
 CAP_FRACTIONS = (1.0, 0.5, 0.375, 0.25, 0.125)
 NUM_CANDIDATES = 3  # orders tried before the local search: input, shaped runs, shaped runs by size
 # 1F1B warm-ups plan_for_pipeline tries (``Plan.pp_warmup``), within plain 1F1B's memory at the cap
