@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynamic_cp import simulate as cli
 from dynamic_cp.planning import pipeline_order
@@ -13,6 +15,7 @@ from dynamic_cp.planning.baselines import static_plan
 from dynamic_cp.planning.compare_pipeline import compare_pipeline, format_pipeline_rows, work_bound
 from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.pipeline_order import (
+    WARMUPS,
     _mountain,
     _runs,
     apply_move,
@@ -22,10 +25,17 @@ from dynamic_cp.planning.pipeline_order import (
     round_trips,
     search_moves,
 )
-from dynamic_cp.planning.pipeline_sim import StageCosts, order_lower_bound, simulate_pipeline, stage_costs
+from dynamic_cp.planning.pipeline_sim import (
+    StageCosts,
+    default_stage_layers,
+    order_lower_bound,
+    simulate_pipeline,
+    stage_costs,
+)
 from dynamic_cp.planning.plan_types import Plan, plan_violations
 from dynamic_cp.planning.planner import plan as dynamic_plan
 from dynamic_cp.planning.workloads import workload
+from tests.test_pipeline_schedule import _runs_to_the_end
 
 CM = CostModel.from_name("wan-1.3b", "h100")
 REL = 1e-9  # sums of a few hundred float64 seconds: rounding far below this (see test_pipeline_sim)
@@ -202,7 +212,7 @@ def test_plan_for_pipeline_tries_each_size_set_and_cap(monkeypatch):
     )
     lengths = workload("openvid", 24, seed=6)
     plan_for_pipeline(lengths, 16, 32_000, CM, [15, 15], evals=4)
-    caps = [32_000 * f for f in (1.0, 0.5, 0.25, 0.125)]
+    caps = [32_000 * f for f in (1.0, 0.5, 0.375, 0.25, 0.125)]
     tried = [(c, (1, 2, 4, 8, 16)) for c in caps] + [(c, (8, 16)) for c in caps]
     assert calls[: len(tried)] == tried[: len(calls)] and len(calls) >= 5
     calls.clear()
@@ -210,7 +220,7 @@ def test_plan_for_pipeline_tries_each_size_set_and_cap(monkeypatch):
     assert {cp for _, cp in calls} == {(1, 2, 4), (4,)} and pipeline_order.NUM_CANDIDATES == 3
     calls.clear()
     plan_for_pipeline([1_000] * 4, 1, 32_000, CM, [15, 15], evals=4)  # one rank: one size set
-    assert calls == [(32_000 * f, (1,)) for f in (1.0, 0.5, 0.25, 0.125)]
+    assert calls == [(32_000 * f, (1,)) for f in (1.0, 0.5, 0.375, 0.25, 0.125)]
     calls.clear()
     plan_for_pipeline(lengths, 16, 32_000, CM, [15, 15], evals=4, cp_sizes=[1, 2, 16])  # the run's sizes
     assert {cp for _, cp in calls} == {(1, 2, 16), (16,)}
@@ -246,12 +256,14 @@ def test_ties_keep_the_input_order_and_the_default_budget():
     same = Plan([((0,), [i]) for i in range(4)], 1, 1e9)
     out = order_for_pipeline(same, [5_000] * 4, CM, [15, 15], evals=1000)
     assert out.info["pp_order"] == [0, 1, 2, 3]  # no equal-step swap taken
-    # one run of 26 one-clip micro-batches: 48 swaps + 3 candidates > the default 48 replays
+    # one run of 26 one-clip micro-batches: 48 swaps + 3 candidates > the default 24 replays
     lengths = [20_000 + 100 * i for i in range(26)]
     long_run = Plan([((0,), [i]) for i in range(26)], 1, 30_000, solver_ms=1.0)
     out = order_for_pipeline(long_run, lengths, CM, [15, 15])
-    assert out.info["pp_evals"] == 48 and out.solver_ms > 1.0
-    assert plan_for_pipeline(lengths, 1, 30_000, CM, [15, 15]).info["pp_evals"] == 48  # one cap fits
+    assert out.info["pp_evals"] == 24 and out.solver_ms > 1.0
+    # one cap fits; the winner's 24 replays, then its warm-ups 2 and 3 (too deep for these sizes)
+    planned = plan_for_pipeline(lengths, 1, 30_000, CM, [15, 15])
+    assert planned.info["pp_evals"] == 24 + len(WARMUPS) - 1 and planned.pp_warmup == 1
 
 
 def test_one_stage_has_no_round_trip_and_keeps_a_valid_order():
@@ -273,7 +285,12 @@ def test_plan_for_pipeline_keeps_the_best_candidate_under_the_pipeline(monkeypat
     t0 = time.perf_counter()
     out = plan_for_pipeline(lengths, 8, 30_000, CM, layers, evals=3)
     wall_ms = (time.perf_counter() - t0) * 1e3
-    quick = [order_for_pipeline(p, lengths, CM, layers, evals=3).predicted_step_s for p in made]
+    quick = [
+        order_for_pipeline(
+            p, lengths, CM, layers, evals=3, warmups=WARMUPS, memory_cap=30_000
+        ).predicted_step_s
+        for p in made
+    ]
     assert out.predicted_step_s == pytest.approx(min(quick), rel=REL)  # priced on the stages, not flat
     assert len(set(round(q, 9) for q in quick)) > 1  # the candidates differ, so the choice matters
     assert 0 < out.solver_ms <= wall_ms  # milliseconds of this call
@@ -315,7 +332,90 @@ def test_table_columns():
     assert " yes " in format_pipeline_rows(rows, 1.0, peak / 0.85).splitlines()[2]
     # the per-stage line is dynamic-cp's even when another row comes first
     last = format_pipeline_rows([static, dyn], 1.0, peak).splitlines()[-1]
-    assert last == "dynamic-cp GB per GPU by stage: " + ", ".join(
-        f"stage {p} {b / 1e9:.1f}" for p, b in enumerate(dyn.stage_bytes)
+    assert (
+        last
+        == "dynamic-cp GB per GPU by stage: "
+        + ", ".join(f"stage {p} {b / 1e9:.1f}" for p, b in enumerate(dyn.stage_bytes))
+        + f"; 1F1B warm-up {dyn.plan.pp_warmup} x (pp - stage - 1)"
     )
     assert "by stage" not in format_pipeline_rows([static], 1.0, peak)
+
+
+@st.composite
+def _pipeline_cases(draw):
+    R, pp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([2, 3, 4]))
+    n = draw(st.integers(1, 9))
+    lengths = draw(st.lists(st.sampled_from([500, 2_000, 6_000, 15_000, 30_000]), min_size=n, max_size=n))
+    groups = [g for c in (1, 2, 4) if c <= R for g in (tuple(range(s, s + c)) for s in range(0, R, c))]
+    plan = Plan(
+        [(draw(st.sampled_from(groups)), [i]) for i in range(n)], R, draw(st.sampled_from([3e4, 1e5]))
+    )
+    return plan, lengths, default_stage_layers(CM.dims, pp)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_pipeline_cases(), st.sampled_from(["1f1b", "gpipe"]), st.integers(3, 20))
+def test_warm_ups_never_slow_the_order_and_keep_1f1b_memory(case, schedule, evals):
+    plan, lengths, layers = case
+    pp, cap = len(layers), plan.cap_tokens
+    old = order_for_pipeline(plan, lengths, CM, layers, schedule, evals)
+    new = order_for_pipeline(plan, lengths, CM, layers, schedule, evals, WARMUPS, cap)
+    assert new.info["pp_order"] == old.info["pp_order"]  # the searched order, then a warm-up
+    assert sorted(new.info["pp_order"]) == list(range(len(lengths)))  # every micro-batch once
+    assert [plan.micro_batches[i] for i in new.info["pp_order"]] == new.micro_batches
+    assert new.info["pp_evals"] <= old.info["pp_evals"] + len(WARMUPS) - 1
+    s = simulate_pipeline(new, lengths, CM, layers, schedule)
+    assert s.step_s == pytest.approx(new.predicted_step_s, rel=REL)
+    if new.pp_warmup == 1:
+        assert new.predicted_step_s == old.predicted_step_s
+    else:  # deeper only where faster, under 1F1B, within plain 1F1B's memory at the cap
+        assert schedule == "1f1b" and new.predicted_step_s < old.predicted_step_s
+        assert all(held <= (pp - p) * cap for p, held in enumerate(s.peak_tokens))
+    groups = [ranks for ranks, _ in new.micro_batches]
+    assert _runs_to_the_end(groups, plan.world_size, pp, schedule, new.pp_warmup)  # no deadlock
+
+
+def test_a_deeper_warm_up_where_small_micro_batches_leave_memory():
+    # one rank, 3 stages, small and large micro-batches alternating, each far under a 40,000 cap:
+    # plain 1F1B stalls stage 0 on each large one's round trip, a deeper warm-up covers it
+    lengths = [2_000, 12_000] * 5
+    p = Plan([((0,), [i]) for i in range(10)], 1, 40_000)
+    layers = default_stage_layers(CM.dims, 3)
+    plain = order_for_pipeline(p, lengths, CM, layers, evals=3)
+    deep = order_for_pipeline(p, lengths, CM, layers, evals=3, warmups=WARMUPS)
+    assert deep.pp_warmup > 1 and deep.predicted_step_s < plain.predicted_step_s * 0.99
+    s = simulate_pipeline(deep, lengths, CM, layers)
+    assert max(s.peak_tokens) > 3 * 12_000  # more in flight than plain 1F1B's 3 on stage 0 ...
+    assert all(held <= (3 - q) * 40_000 for q, held in enumerate(s.peak_tokens))  # ... within its memory
+    # a cap of the largest micro-batch leaves no room: plain 1F1B it stays
+    tight = order_for_pipeline(p, lengths, CM, layers, evals=3, warmups=WARMUPS, memory_cap=12_000)
+    assert tight.pp_warmup == 1 and tight.predicted_step_s == plain.predicted_step_s
+    assert order_for_pipeline(p, lengths, CM, layers, "gpipe", 3, WARMUPS).pp_warmup == 1  # 1F1B only
+    # plan_for_pipeline keeps the warm-up it found, and its cap, for the runtime to run
+    planned = plan_for_pipeline(lengths, 1, 40_000, CM, layers)
+    assert planned.pp_warmup > 1 and planned.cap_tokens == 40_000
+    assert planned.predicted_step_s == pytest.approx(
+        simulate_pipeline(planned, lengths, CM, layers).step_s, rel=REL
+    )
+
+
+def test_which_warm_up_fits_which_memory():
+    # one rank, 3 stages, micro-batches of at most 20,000 tokens; memory_cap 40,000 (packs at half
+    # the cap). A: warm-up 2 is the fastest that fits (3 is no faster). B: warm-up 3 is, holding
+    # 64,000 tokens on stage 0 (3 x 21,333) and 50,000 on stage 1 (2 x 25,000): a cap of exactly
+    # 25,000 still holds it (stage 1 at its limit), 24,000 does not on stage 1 alone (stage 0 has
+    # 3 x 24,000 = 72,000), so warm-up 2 (56,000 and 44,000) is kept.
+    layers = default_stage_layers(CM.dims, 3)
+
+    def warmup_of(lengths, memory_cap):
+        p = Plan([((0,), [i]) for i in range(len(lengths))], 1, 20_000)
+        return order_for_pipeline(p, lengths, CM, layers, evals=3, warmups=WARMUPS, memory_cap=memory_cap)
+
+    a = [20_000, 2_000, 6_000, 20_000, 12_000, 20_000, 1_000, 20_000, 1_000]
+    assert warmup_of(a, 40_000).pp_warmup == 2
+    b = [2_000, 20_000, 6_000, 6_000, 1_000, 1_000, 12_000, 12_000, 1_000, 6_000]
+    deep = warmup_of(b, 40_000)
+    assert deep.pp_warmup == 3
+    assert simulate_pipeline(deep, b, CM, layers).peak_tokens == [64_000, 50_000, 20_000]
+    assert warmup_of(b, 25_000).pp_warmup == 3
+    assert warmup_of(b, 24_000).pp_warmup == 2

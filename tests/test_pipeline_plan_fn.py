@@ -34,7 +34,7 @@ def test_training_plans_with_the_pipeline_planner():
     got = make_plan_fn(cfg, cm, 4)(LENGTHS)
     want = plan_for_pipeline(LENGTHS, 4, 400, cm, layers, "1f1b", cp_sizes=[1, 2])
     assert got.micro_batches == want.micro_batches and got.info["pp_order"] == want.info["pp_order"]
-    assert got.predicted_step_s == want.predicted_step_s
+    assert got.predicted_step_s == want.predicted_step_s and got.pp_warmup == want.pp_warmup
     assert {len(r) for r, _ in got.micro_batches} <= {1, 2}  # the run's parallel.cp_sizes hold
 
 

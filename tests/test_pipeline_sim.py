@@ -142,24 +142,112 @@ def _random_costs(rng, pp, n, sync=True):
 def _permute(plan, costs, order):
     pick = lambda rows: [[row[i] for i in order] for row in rows]  # noqa: E731
     return (
-        Plan([plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens),
+        Plan(
+            [plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens, pp_warmup=plan.pp_warmup
+        ),
         StageCosts(pick(costs.fwd), pick(costs.bwd), pick(costs.p2p), costs.sync),
     )
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_bound_never_exceeds_any_order(schedule):
+@pytest.mark.parametrize("schedule, warmup", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+def test_bound_never_exceeds_any_order(schedule, warmup):
     rng = random.Random(7)
     for _ in range(12):
-        pp, R, n = rng.choice([(2, 2, 4), (3, 2, 4), (2, 4, 5), (4, 1, 4)])
+        pp, R, n = rng.choice([(2, 2, 4), (3, 2, 4), (2, 4, 5), (4, 1, 4), (2, 1, 5), (3, 1, 5)])
         plan, costs = _random_plan(rng, R, n), _random_costs(rng, pp, n)
-        bound = order_lower_bound(plan, costs)
+        plan.pp_warmup = warmup
+        bound = order_lower_bound(plan, costs, schedule)
         steps = []
         for order in itertools.permutations(range(n)):
             p, c = _permute(plan, costs, list(order))
-            assert order_lower_bound(p, c) == pytest.approx(bound, rel=REL)  # order-free
+            assert order_lower_bound(p, c, schedule) == pytest.approx(bound, rel=REL)  # order-free
             steps.append(simulate_pipeline(p, [1] * n, CM, [1] * pp, schedule, costs=c).step_s)
         assert bound <= min(steps) * (1 + REL)
+
+
+def test_bound_counts_fill_and_drain_of_distinct_micro_batches_by_hand():
+    # one rank, 2 stages, a tiny micro-batch and two big ones; f = 0.1, 1, 1 and b = 0.2, 2, 2 on
+    # both stages, free p2p. Stage 1 (no round trip): the first and the last micro-batch differ, so
+    # head + tail >= min(0.1 + 2, 1 + 0.2) = 1.2 over work 6.3: 7.5 (head and tail both of the tiny
+    # one gave 6.6). Stage 0 (warm-up 1): a big one's round trip 3 less one forward 1 leaves 2 to wait
+    # if first, less one backward 2 leaves 1 if last; the tiny one waits nothing: 6.3 + 1 = 7.3.
+    plan = Plan([((0,), [m]) for m in range(3)], 1, 1e9)
+    f, b = [0.1, 1.0, 1.0], [0.2, 2.0, 2.0]
+    costs = StageCosts([f, f], [b, b], [[0.0] * 3], [0.0, 0.0])
+    assert order_lower_bound(plan, costs) == pytest.approx(7.5, rel=REL)
+    steps = []
+    for order in itertools.permutations(range(3)):
+        p, c = _permute(plan, costs, list(order))
+        steps.append(simulate_pipeline(p, [1] * 3, CM, [1, 1], costs=c).step_s)
+    assert min(steps) >= 7.5 * (1 - REL)
+    # stage 0 binds when stage 1 is free and each boundary costs 1.5 each way: every round trip is
+    # 3; under 1F1B the first waits 3 - 1 (one forward), the last 3 - 2 (one backward): 6.3 + 3; the
+    # tiny one first and last would have waited nothing (the old bound: 6.3). Order 0, 1, 2 replays
+    # at exactly 9.3. Stage 1: 0 work + min(0.1 + 2, 1 + 0.2) + 2 x 1.5 = 4.2.
+    free = [0.0] * 3
+    costs = StageCosts([f, free], [b, free], [[1.5] * 3], [0.0, 0.0])
+    assert order_lower_bound(plan, costs) == pytest.approx(9.3, rel=REL)
+    assert simulate_pipeline(plan, [1] * 3, CM, [1, 1], costs=costs).step_s == pytest.approx(9.3, rel=REL)
+    # GPipe: the other two forwards cover the first's round trip but 1 (3 - 2), and the waits may
+    # overlap, so only the larger counts: 6.3 + 1
+    assert order_lower_bound(plan, costs, "gpipe") == pytest.approx(7.3, rel=REL)
+    deep = Plan(plan.micro_batches, 1, 1e9, pp_warmup=2)  # 1F1B, warm-up 2 of 3: GPipe's op list
+    assert order_lower_bound(deep, costs) == pytest.approx(7.3, rel=REL)
+    assert simulate_pipeline(deep, [1] * 3, CM, [1, 1], costs=costs).step_s >= 7.3 * (1 - REL)
+    for order in itertools.permutations(range(3)):
+        p, c = _permute(plan, costs, list(order))
+        for schedule, bound in (("1f1b", 9.3), ("gpipe", 7.3)):
+            assert simulate_pipeline(p, [1] * 3, CM, [1, 1], schedule, costs=c).step_s >= bound * (1 - REL)
+    # a single micro-batch waits its own round trip once
+    one = Plan([((0,), [0])], 1, 1e9)
+    assert order_lower_bound(one, StageCosts([[1.0], [2.0]], [[3.0], [4.0]], [[0.5]], [0.0, 0.0])) == 11.0
+    # ... and a middle stage with a long all-reduce binds: head 1 + 0.25, work 2 + 16, its round
+    # trip 4 + 32 + 2 x 0.5, then sync 100 (over its tail 8.25): 156.25, the replay's step
+    costs = StageCosts([[1.0], [2.0], [4.0]], [[8.0], [16.0], [32.0]], [[0.25], [0.5]], [0.0, 100.0, 0.0])
+    assert order_lower_bound(one, costs) == 156.25
+    assert simulate_pipeline(one, [1], CM, [1, 1, 1], costs=costs).step_s == 156.25
+
+
+def test_bound_of_a_middle_stage_by_hand():
+    # one rank, 3 stages; stage 1 binds: f = 0.1, 1, 1 and b = 0.2, 2, 2; stage 0 costs 0.01 each
+    # way, stage 2 0.5; p2p 0.25 on boundary 0, 0.5 on boundary 1. Stage 1: head 0.01 + 0.25, tail
+    # the same; every round trip 0.5 + 0.5 (stage 2) + 2 x 0.5 (boundary 1 only) = 2; warm-up 1:
+    # one other forward (at most 1) covers 1 of the first's trip, one backward (2) all of the
+    # last's: 6.3 + 0.26 + 1 + 0 + 0.26 = 7.82, which the best order replays exactly.
+    f1, b1, tiny = [0.1, 1.0, 1.0], [0.2, 2.0, 2.0], [0.01] * 3
+
+    def bound_and_best(f0, b0, warmup):
+        costs = StageCosts([f0, f1, [0.5] * 3], [b0, b1, [0.5] * 3], [[0.25] * 3, [0.5] * 3], [0.0] * 3)
+        plan = Plan([((0,), [m]) for m in range(3)], 1, 1e9, pp_warmup=warmup)
+        steps = [
+            simulate_pipeline(p, [1] * 3, CM, [1, 1, 1], costs=c).step_s
+            for p, c in (_permute(plan, costs, list(o)) for o in itertools.permutations(range(3)))
+        ]
+        return order_lower_bound(plan, costs), min(steps)
+
+    bound, best = bound_and_best(tiny, tiny, 1)
+    assert bound == pytest.approx(7.82, rel=REL) and best == pytest.approx(7.82, rel=REL)
+    # warm-up 2: two other forwards (1.1 or 2) cover the trip but 0.9 (micro-batch 0 first: 0), and
+    # the waits may overlap (3 micro-batches, not more than 2 + 1): 6.3 + 0.26 + 0 + 0.26
+    bound, best = bound_and_best(tiny, tiny, 2)
+    assert bound == pytest.approx(6.82, rel=REL) and bound <= best
+    # micro-batch 0 now has the shortest head and tail (0.26 against 0.55 and 0.85), but it cannot
+    # be both first and last: 6.3 + min(0.26 + 0 + 0.85, 0.55 + 0.9 + 0.26) = 7.41
+    bound, best = bound_and_best([0.01, 0.3, 0.3], [0.01, 0.6, 0.6], 2)
+    assert bound == pytest.approx(7.41, rel=REL) and bound <= best
+
+
+def test_replay_without_timeline_keeps_every_figure():
+    rng = random.Random(11)
+    for _ in range(6):
+        plan, costs = _random_plan(rng, 4, 6), _random_costs(rng, 3, 6)
+        full = simulate_pipeline(plan, [1] * 6, CM, [1] * 3, costs=costs)
+        fast = simulate_pipeline(plan, [1] * 6, CM, [1] * 3, costs=costs, timeline=False)
+        assert (fast.step_s, fast.stage_end, fast.busy_s, fast.peak_tokens) == (
+            full.step_s, full.stage_end, full.busy_s, full.peak_tokens)  # fmt: skip
+        assert fast.segments == [[[] for _ in range(4)] for _ in range(3)]
+        assert all(full.segments[p][r] for p in range(3) for r in range(4) if any(
+            r in g for g, _ in plan.micro_batches))  # fmt: skip
 
 
 def test_bound_is_tight_for_equal_micro_batches():
@@ -178,19 +266,21 @@ def test_bound_is_tight_for_equal_micro_batches():
     assert [s.segments[p][0][0][0] for p in range(3)] == [0, 1.25, 3.75]  # each boundary its own p2p
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_each_rank_runs_the_schedules_ops_in_order(schedule):
+@pytest.mark.parametrize("schedule, warmup", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+def test_each_rank_runs_the_schedules_ops_in_order(schedule, warmup):
     rng = random.Random(1)
     for pp, R, n in ((2, 4, 9), (3, 2, 7), (4, 4, 11)):
         plan = _random_plan(rng, R, n)
+        plan.pp_warmup = warmup
         s = simulate_pipeline(plan, [1] * n, CM, [1] * pp, schedule, costs=_random_costs(rng, pp, n))
         for p in range(pp):
             for r, runs in enumerate(plan.per_rank()):
                 ran = [(kind, m) for _, _, m, kind in s.segments[p][r]]
-                assert ran == rank_ops(stage_ops(n, pp, p, schedule), runs)
+                assert ran == rank_ops(stage_ops(n, pp, p, schedule, warmup), runs)
         busy = sum(e - b for stage in s.segments for segs in stage for b, e, _, _ in segs)
         assert s.busy_s == pytest.approx(busy, rel=REL)  # every rank of a group is busy
-        assert pipeline_ops(plan, pp, schedule) == [stage_ops(n, pp, p, schedule) for p in range(pp)]
+        want = [stage_ops(n, pp, p, schedule, warmup) for p in range(pp)]
+        assert pipeline_ops(plan, pp, schedule) == want
         for p in range(pp):  # collectives: a micro-batch's ranks start and end it together
             for m, (ranks, _) in enumerate(plan.micro_batches):
                 spans = {seg[:2] for r in ranks for seg in s.segments[p][r] if seg[2] == m and seg[3] == "F"}

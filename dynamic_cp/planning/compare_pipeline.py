@@ -65,7 +65,7 @@ def pipeline_row(
         states, act = stage_memory(cm.dims, layers, stage, shard, ckpt)
         mem.append(states + tokens * act)
     return PipeRow(
-        method, s.step_s, s.bubble_fraction(), mem, order_lower_bound(p, costs), p.solver_ms,
+        method, s.step_s, s.bubble_fraction(), mem, order_lower_bound(p, costs, schedule), p.solver_ms,
         p.cp_histogram(), p, s,
     )  # fmt: skip
 
@@ -117,5 +117,6 @@ def format_pipeline_rows(
     dyn = next((r for r in rows if r.method == "dynamic-cp" and not r.error), None)
     if dyn is not None:
         per_stage = ", ".join(f"stage {p} {b / 1e9:.1f}" for p, b in enumerate(dyn.stage_bytes))
-        lines.append(f"dynamic-cp GB per GPU by stage: {per_stage}")
+        warmup = dyn.plan.pp_warmup
+        lines.append(f"dynamic-cp GB per GPU by stage: {per_stage}; 1F1B warm-up {warmup} x (pp - stage - 1)")
     return "\n".join(lines)

@@ -3,11 +3,12 @@
 The runtime runs ``plan.micro_batches`` in list order through ``pipeline_schedule.stage_ops``, so the
 order returned here IS the pipeline schedule. Why order matters: a stage's op list is one sequence
 over all micro-batches, so a rank gets a forward ahead of its pending backward only when its next
-micro-batch sits within the stage's warm-up distance (pp - stage - 1) in the list. Where a rank
-leaves one CP group for another (a run of micro-batches of one group ends) it drains and refills:
-it idles for the round trip of the run's last micro-batch through the later stages, and the next
-run's first micro-batch fills the stages again. The planner already emits each group's
-micro-batches as one run; the order
+micro-batch sits within the stage's warm-up distance (``Plan.pp_warmup`` x (pp - stage - 1)) in the
+list. Where a rank leaves one CP group for another (a run of micro-batches of one group ends) it
+drains and refills: it idles for the round trip of the run's last micro-batch through the later
+stages, and the next run's first micro-batch fills the stages again. The planner already emits
+each group's micro-batches as one run;
+the order
 
     1. keeps the runs, and within each run puts the micro-batch with the shortest round trip last
        (the drain) and the next shortest first (the fill), the others rising then falling in size
@@ -15,13 +16,19 @@ micro-batches as one run; the order
     2. tries the runs in the planner's order (CP size descending) and in ascending size;
     3. local search: swaps of a run's end with another member of the run, and of two neighbouring
        runs, each scored by ``simulate_pipeline``, up to ``evals`` simulations (a count, not a
-       clock: every rank computes the same order).
+       clock: every rank computes the same order);
+    4. under 1F1B, deeper warm-ups (``WARMUPS``): steady 1F1B has no slack, so each micro-batch
+       larger than its neighbours stalls stage 0 for its round trip, and a warm-up of w x
+       (pp - stage - 1) forwards covers that with more micro-batches in flight. Plain 1F1B's memory
+       is pp - p micro-batches at the cap on stage p; a deeper warm-up is kept only where the
+       replay's peak tokens stay within it, which packs under a fraction of the cap allow.
 
 The result never steps slower than the input order (the input is a candidate). ``plan_for_pipeline``
 also lets the planner choose CP sizes and micro-batch sizes under PP: its default sizes, and the
 sizes from a node up (fewer, larger groups: fewer runs, so fewer drains), each under the memory's
-token cap and under a half and a quarter of it (more, smaller micro-batches: a shorter fill and
-drain against GEMM efficiency and overheads), each ordered, the fastest kept.
+token cap and under ``CAP_FRACTIONS`` of it (more, smaller micro-batches: a shorter fill and drain
+and smaller steps between neighbours, against GEMM efficiency and overheads), each ordered, the
+fastest kept.
 """
 
 from __future__ import annotations
@@ -34,9 +41,13 @@ from dynamic_cp.planning.pipeline_sim import StageCosts, simulate_pipeline, stag
 from dynamic_cp.planning.plan_types import Plan
 
 # Pack caps tried under PP, as fractions of the memory's cap: smaller micro-batches, more of them,
-# shorter fill and drain, at some GEMM efficiency and per-micro-batch overhead.
-CAP_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+# shorter fill and drain, at some GEMM efficiency and per-micro-batch overhead. The steps are flat
+# near the best (wan-14b, 64 GPUs, openvid: pp 4 86.1 s at 3/8, 88.2 s at 1/2, 89.2 s at 1/4), so
+# a grid of five, not a finer search (docs/planner.md).
+CAP_FRACTIONS = (1.0, 0.5, 0.375, 0.25, 0.125)
 NUM_CANDIDATES = 3  # orders tried before the local search: input, shaped runs, shaped runs by size
+# 1F1B warm-ups plan_for_pipeline tries (``Plan.pp_warmup``), within plain 1F1B's memory at the cap
+WARMUPS = (1, 2, 3)
 
 
 def _permuted(costs: StageCosts, order: list[int]) -> StageCosts:
@@ -110,46 +121,65 @@ def order_for_pipeline(
     cost_model: CostModel,
     layers_per_stage: list[int],
     schedule: str = "1f1b",
-    evals: int = 48,
+    evals: int = 24,
+    warmups: tuple[int, ...] = (),
+    memory_cap: float | None = None,
 ) -> Plan:
     """``plan`` with its micro-batches reordered for ``len(layers_per_stage)`` stages (see the module
     docstring); ``predicted_step_s`` is its simulated pipeline step, ``info['pp_order']`` the
-    permutation (new position -> old index), ``info['pp_evals']`` the replays it took."""
+    permutation (new position -> old index), ``info['pp_evals']`` the replays it took. Under 1F1B,
+    each of ``warmups`` (``Plan.pp_warmup``) is then tried on that order, one replay each beyond
+    ``evals``, and kept where it is faster and fits: every stage p holds at most pp - p times
+    ``memory_cap`` tokens a rank (plain 1F1B's memory at that cap; default the plan's cap). So the
+    result never steps slower than the same call without ``warmups``."""
     t0 = time.perf_counter()
+    pp = len(layers_per_stage)
     costs = stage_costs(plan, lengths, cost_model, layers_per_stage)
     trip = round_trips(costs)
+    limit = plan.cap_tokens if memory_cap is None else memory_cap
 
-    def reordered(order):
-        return Plan([plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens)
+    def reordered(order, warmup):
+        return Plan(
+            [plan.micro_batches[i] for i in order], plan.world_size, plan.cap_tokens, pp_warmup=warmup
+        )
 
-    def score(order):
+    def score(order, warmup):
         # the permuted costs are the reordered plan's (a replay, not a new pricing: speed only)
-        sub = reordered(order)
-        return simulate_pipeline(
-            sub, lengths, cost_model, layers_per_stage, schedule, costs=_permuted(costs, order)
-        ).step_s
+        sub, c = reordered(order, warmup), _permuted(costs, order)
+        s = simulate_pipeline(sub, lengths, cost_model, layers_per_stage, schedule, costs=c, timeline=False)
+        if warmup > 1 and any(held > (pp - p) * limit for p, held in enumerate(s.peak_tokens)):
+            return float("inf")  # deeper than plain 1F1B's memory at the cap
+        return s.step_s
 
-    best_s, _, best = min((score(o), k, o) for k, o in enumerate(candidate_orders(plan, trip)))
+    warmup = plan.pp_warmup
+    best_s, _, best = min((score(o, warmup), k, o) for k, o in enumerate(candidate_orders(plan, trip)))
     used = NUM_CANDIDATES
-    runs = _runs(reordered(best))
+    runs = _runs(reordered(best, warmup))
     for move in search_moves(runs, [trip[i] for i in best]):
         if used >= evals:
             break
         if move[0] == "runs" and move[1] + 1 >= len(runs):
             continue  # an accepted run swap joined two runs of one group: fewer runs now
         order = apply_move(best, move, runs)
-        s = score(order)
+        s = score(order, warmup)
         used += 1
         if s < best_s:  # strictly: each move is tried once, so no cycling on ties
             best_s, best = s, order
-            runs = _runs(reordered(best))  # a run swap moved the later runs' positions
+            runs = _runs(reordered(best, warmup))  # a run swap moved the later runs' positions
+    for w in warmups if schedule == "1f1b" else ():  # on the searched order, beyond ``evals``
+        if w != plan.pp_warmup:
+            s = score(best, w)
+            used += 1
+            if s < best_s:
+                best_s, warmup = s, w
     return Plan(
-        reordered(best).micro_batches,
+        reordered(best, warmup).micro_batches,
         plan.world_size,
         plan.cap_tokens,
         predicted_step_s=best_s,
         solver_ms=plan.solver_ms + (time.perf_counter() - t0) * 1e3,
         info={**plan.info, "pp_order": best, "pp_evals": used},
+        pp_warmup=warmup,
     )
 
 
@@ -160,13 +190,13 @@ def plan_for_pipeline(
     cost_model: CostModel,
     layers_per_stage: list[int],
     schedule: str = "1f1b",
-    evals: int = 48,
+    evals: int = 24,
     cp_sizes=None,
 ) -> Plan:
     """Dynamic-CP under PP: the planner's plan with the allowed CP sizes (``cp_sizes``, default the
     planner's) and with those from a node up, at each of ``CAP_FRACTIONS`` of the cap, each ordered
-    by ``order_for_pipeline``'s candidates alone; the fastest gets the local search. ``cap_tokens``
-    stays the plan's cap."""
+    by ``order_for_pipeline``'s candidates alone and tried at ``WARMUPS`` within the memory of plain
+    1F1B at ``cap_tokens``; the fastest gets the local search. ``cap_tokens`` stays the plan's cap."""
     from dynamic_cp.planning.planner import plan as dynamic_plan
 
     t0 = time.perf_counter()
@@ -183,13 +213,19 @@ def plan_for_pipeline(
             except ValueError as err:  # a clip too long for these sizes or this cap: not a candidate
                 first_error = first_error or err
                 continue
-            quick = order_for_pipeline(p, lengths, cost_model, layers_per_stage, schedule, NUM_CANDIDATES)
+            quick = order_for_pipeline(
+                p, lengths, cost_model, layers_per_stage, schedule, NUM_CANDIDATES, WARMUPS, cap_tokens
+            )
             if best is None or quick.predicted_step_s < best[0].predicted_step_s:
                 best = (quick, p)
     if best is None:
         raise first_error  # no candidate at all: the planner's own message (default sizes, full cap)
-    # only the winner gets the local search
-    best = order_for_pipeline(best[1], lengths, cost_model, layers_per_stage, schedule, evals)
+    # only the winner gets the local search; its warm-ups are retried on the searched order, which
+    # can step slower at a deeper warm-up than the quick order did: keep the faster
+    quick, p = best
+    best = order_for_pipeline(p, lengths, cost_model, layers_per_stage, schedule, evals, WARMUPS, cap_tokens)
+    if quick.predicted_step_s < best.predicted_step_s:
+        best = quick
     best.cap_tokens = cap_tokens
     best.solver_ms = (time.perf_counter() - t0) * 1e3
     return best

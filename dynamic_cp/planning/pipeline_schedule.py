@@ -15,13 +15,15 @@ SCHEDULES = ("1f1b", "gpipe")
 
 
 def stage_ops(
-    num_micro_batches: int, pp_size: int, stage: int, schedule: str = "1f1b"
+    num_micro_batches: int, pp_size: int, stage: int, schedule: str = "1f1b", warmup: int = 1
 ) -> list[tuple[str, int]]:
     """Stage ``stage``'s ops in execution order.
 
     gpipe: every forward, then every backward (the most activations in flight: all of them).
-    1f1b: ``pp_size - stage - 1`` warm-up forwards, then one forward and one backward in turn,
-    then the remaining backwards; at most ``pp_size - stage`` micro-batches in flight.
+    1f1b: ``warmup x (pp_size - stage - 1)`` warm-up forwards, then one forward and one backward in
+    turn, then the remaining backwards; at most that + 1 micro-batches in flight (``pp_size - stage``
+    at ``warmup=1``, plain 1F1B). The warm-up never grows with the stage, so no stage waits on a
+    backward its successor can only run after a forward it has not been sent.
     Backwards run in forward order under both, so the last stage can start each as soon as its
     forward is done.
     """
@@ -29,14 +31,16 @@ def stage_ops(
         raise ValueError(f"pipeline schedule {schedule!r}; use one of {SCHEDULES}")
     if not 0 <= stage < pp_size:
         raise ValueError(f"stage {stage} outside 0..{pp_size - 1}")
+    if not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"pipeline warm-up multiple {warmup!r}; use an integer >= 1 (1: plain 1F1B)")
     n = num_micro_batches
     if schedule == "gpipe":
         return [("F", m) for m in range(n)] + [("B", m) for m in range(n)]
-    warmup = min(pp_size - stage - 1, n)
-    ops = [("F", m) for m in range(warmup)]
-    for m in range(warmup, n):
-        ops += [("F", m), ("B", m - warmup)]
-    ops += [("B", m) for m in range(n - warmup, n)]
+    lead = min(warmup * (pp_size - stage - 1), n)
+    ops = [("F", m) for m in range(lead)]
+    for m in range(lead, n):
+        ops += [("F", m), ("B", m - lead)]
+    ops += [("B", m) for m in range(n - lead, n)]
     return ops
 
 

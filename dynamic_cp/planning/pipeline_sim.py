@@ -28,14 +28,19 @@ op's end): idle time of every kind (fill, drain, waiting on CP peers), gradient 
 Megatron's barriers: its groups run one after another with a barrier over every rank between them,
 so under PP each group is its own pipeline (``stage_ops`` over the group, a flush after it).
 
-Lower bound over every order of the plan's micro-batches (``order_lower_bound``), see docs/planner.md
-"Pipeline stages: planning": rank r of stage p cannot start before some micro-batch of its own has
-crossed stages 0..p-1 (forward and p2p), must do all its work W_pr, and after its last op (a
-backward) that micro-batch's backward must cross stages p-1..0. So
+Lower bound over every order of the plan's micro-batches under the schedule (``order_lower_bound``),
+see docs/planner.md "Pipeline stages: planning": rank r of stage p cannot start before its first
+micro-batch i has crossed stages 0..p-1 (head_i), must do all its work W_pr, and after its last op
+(the backward of its last micro-batch j, not i when it runs two or more) that backward must cross
+stages p-1..0 (tail_j). Between the forward and the backward of i on stage p lies i's round trip
+through the later stages (trip_i), and the rank can fill it with at most `lead` of its other
+forwards (1F1B: the warm-up, ``Plan.pp_warmup`` x (pp - p - 1); GPipe: all); likewise j's round
+trip with at most `lead` of its other backwards. So, with fill_i = max(0, trip_i - the `lead` largest other forwards) and drain_j alike,
 
-    step >= min_m head_pm + W_pr + max(min_m tail_pm, sync_p)
+    step >= W_pr + min over i != j of head_i + fill_i + drain_j + max(tail_j, sync_p)
 
-with the minima over r's micro-batches; the bound is the largest over (p, r).
+the two waits adding when the rank's first backward precedes its last forward (1F1B with more than
+lead + 1 micro-batches), else only the larger; the bound is the largest over (p, r).
 """
 
 from __future__ import annotations
@@ -157,8 +162,18 @@ def pipeline_ops(plan: Plan, pp: int, schedule: str) -> list[list[tuple[str, int
     out: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
     for seg in _segments_of(plan):
         for p in range(pp):
-            out[p] += [(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule)]
+            out[p] += [(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule, plan.pp_warmup)]
     return out
+
+
+def _rank_classes(plan: Plan) -> list[int]:
+    """Per rank, an id shared by exactly the ranks that run the same micro-batches."""
+    mine: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for m, (ranks, _) in enumerate(plan.micro_batches):
+        for r in ranks:
+            mine[r].append(m)
+    ids: dict[tuple[int, ...], int] = {}
+    return [ids.setdefault(tuple(ms), len(ids)) for ms in mine]
 
 
 def simulate_pipeline(
@@ -169,81 +184,129 @@ def simulate_pipeline(
     schedule: str = "1f1b",
     barrier_s: float | None = None,
     costs: StageCosts | None = None,
+    timeline: bool = True,
 ) -> PipelineSchedule:
-    """Event replay of ``plan`` on ``len(layers_per_stage)`` stages; see the module docstring."""
+    """Event replay of ``plan`` on ``len(layers_per_stage)`` stages; see the module docstring.
+    ``timeline=False`` leaves ``segments`` empty (faster: the order search only needs the step)."""
     pp, R, mbs = len(layers_per_stage), plan.world_size, plan.micro_batches
     c = costs or stage_costs(plan, lengths, cm, layers_per_stage)
     if barrier_s is None:
         far = pp * R > cm.hw.gpus_per_node
         barrier_s = cm.hw.inter_node_latency_s if far else cm.hw.intra_node_latency_s
     tokens = [sum(int(lengths[s]) for s in m) / len(r) for r, m in mbs]
-    free = [[0.0] * R for _ in range(pp)]
-    held, peak = [[0.0] * R for _ in range(pp)], [0.0] * pp
-    end = {}  # (kind, stage, m) -> end time
-    segments = [[[] for _ in range(R)] for _ in range(pp)]
+    # ranks that run the same micro-batches keep the same clock: replay one of each (speed only)
+    cls = _rank_classes(plan)
+    C = max(cls) + 1
+    groups = [sorted({cls[r] for r in ranks}) for ranks, _ in mbs]
+    free = [[0.0] * C for _ in range(pp)]
+    held, peak = [[0.0] * C for _ in range(pp)], [0.0] * pp
+    done = {"F": [[None] * len(mbs) for _ in range(pp)], "B": [[None] * len(mbs) for _ in range(pp)]}
+    segs_of = [[[] for _ in range(C)] for _ in range(pp)]
     busy = 0.0
     segs = _segments_of(plan)
     for k, seg in enumerate(segs):
-        ops = [[(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule)] for p in range(pp)]
+        ops = [
+            [(k, m + seg.start) for k, m in stage_ops(len(seg), pp, p, schedule, plan.pp_warmup)]
+            for p in range(pp)
+        ]
         pos = [0] * pp
         while any(pos[p] < len(ops[p]) for p in range(pp)):
             progressed = False
             for p in range(pp):
+                stage_free, stage_held, stage_segs = free[p], held[p], segs_of[p]
                 while pos[p] < len(ops[p]):
                     kind, m = ops[p][pos[p]]
                     if kind == "F" and p == 0:
                         ready = 0.0
                     else:
                         if kind == "F":
-                            dep, delay = ("F", p - 1, m), c.p2p[p - 1][m]
+                            dep, delay = done["F"][p - 1][m], c.p2p[p - 1][m]
                         elif p < pp - 1:
-                            dep, delay = ("B", p + 1, m), c.p2p[p][m]
+                            dep, delay = done["B"][p + 1][m], c.p2p[p][m]
                         else:
-                            dep, delay = ("F", p, m), 0.0  # the last stage turns round in place
-                        if dep not in end:
+                            dep, delay = done["F"][p][m], 0.0  # the last stage turns round in place
+                        if dep is None:
                             break
-                        ready = end[dep] + delay
-                    ranks = mbs[m][0]
-                    start = max(ready, max(free[p][r] for r in ranks))
+                        ready = dep + delay
+                    start = ready
+                    for g in groups[m]:
+                        if stage_free[g] > start:
+                            start = stage_free[g]
                     dur = (c.fwd if kind == "F" else c.bwd)[p][m]
-                    end[(kind, p, m)] = start + dur
-                    busy += dur * len(ranks)
-                    for r in ranks:
-                        free[p][r] = start + dur
-                        segments[p][r].append((start, start + dur, m, kind))
-                        held[p][r] += tokens[m] if kind == "F" else -tokens[m]
-                        peak[p] = max(peak[p], held[p][r])
+                    t = done[kind][p][m] = start + dur
+                    busy += dur * len(mbs[m][0])
+                    add = tokens[m] if kind == "F" else -tokens[m]
+                    for g in groups[m]:
+                        stage_free[g] = t
+                        if timeline:
+                            stage_segs[g].append((start, t, m, kind))
+                        stage_held[g] += add
+                        if stage_held[g] > peak[p]:
+                            peak[p] = stage_held[g]
                     pos[p] += 1
                     progressed = True
             if not progressed:  # pragma: no cover - stage_ops is deadlock-free (test_pipeline_schedule)
                 raise RuntimeError("pipeline schedule deadlocked")
         if k < len(segs) - 1:  # a barrier between runs, none after the last
             t = max(max(f) for f in free) + barrier_s
-            free = [[t] * R for _ in range(pp)]
+            free = [[t] * C for _ in range(pp)]
+    segments = [[list(stage[cls[r]]) for r in range(R)] for stage in segs_of]
     stage_end = [max(f) for f in free] if mbs else [0.0] * pp
     compute = max(stage_end)
     step = max(e + s for e, s in zip(stage_end, c.sync)) if mbs else 0.0
     return PipelineSchedule(step, compute, stage_end, segments, busy, peak)
 
 
-def order_lower_bound(plan: Plan, costs: StageCosts) -> float:
-    """No order of ``plan``'s micro-batches (same groups, any schedule) steps faster; see the module
-    docstring for the derivation. Barriers only add time, so they are left out."""
-    pp, R = len(costs.fwd), plan.world_size
-    best = 0.0
-    for p in range(pp):
-        work = [0.0] * R
-        head, tail = [np.inf] * R, [np.inf] * R
-        for m, (ranks, _) in enumerate(plan.micro_batches):
-            h = sum(costs.fwd[q][m] + costs.p2p[q][m] for q in range(p))
-            t = sum(costs.bwd[q][m] + costs.p2p[q][m] for q in range(p))
-            for r in ranks:
-                work[r] += costs.fwd[p][m] + costs.bwd[p][m]
-                head[r], tail[r] = min(head[r], h), min(tail[r], t)
-        for r in range(R):
-            if head[r] < np.inf:  # the rank runs a micro-batch
-                best = max(best, head[r] + work[r] + max(tail[r], costs.sync[p]))
-    return best
+def order_lower_bound(plan: Plan, costs: StageCosts, schedule: str = "1f1b") -> float:
+    """No order of ``plan``'s micro-batches (same groups, this ``stage_ops`` schedule) steps faster;
+    see the module docstring for the derivation. Barriers only add time, so they are left out."""
+    cls = _rank_classes(plan)
+    runs: dict[int, list[int]] = {}  # one rank of each class: its micro-batches
+    for m, (ranks, _) in enumerate(plan.micro_batches):
+        for g in sorted({cls[r] for r in ranks}):
+            runs.setdefault(g, []).append(m)
+    return max(
+        (
+            _rank_bound(costs, p, ms, schedule, plan.pp_warmup)
+            for p in range(len(costs.fwd))
+            for ms in runs.values()
+        ),
+        default=0.0,
+    )
+
+
+def _rank_bound(costs: StageCosts, p: int, ms: list[int], schedule: str, warmup: int) -> float:
+    """The bound of one rank of stage ``p`` running micro-batches ``ms`` (module docstring)."""
+    pp, n = len(costs.fwd), len(ms)
+    f, b = costs.fwd[p], costs.bwd[p]
+    head = {m: sum(costs.fwd[q][m] + costs.p2p[q][m] for q in range(p)) for m in ms}
+    tail = {m: max(sum(costs.bwd[q][m] + costs.p2p[q][m] for q in range(p)), costs.sync[p]) for m in ms}
+    trip = {
+        m: sum(costs.fwd[q][m] + costs.bwd[q][m] for q in range(p + 1, pp))
+        + 2 * sum(costs.p2p[q][m] for q in range(p, pp - 1))
+        for m in ms
+    }
+    # at most `lead` of the rank's other forwards run between F(m) and B(m) of its first m, and at
+    # most `lead` other backwards between F(m) and B(m) of its last: 1F1B's warm-up, GPipe's all
+    lead = warmup * (pp - p - 1) if schedule == "1f1b" else n - 1
+
+    def covered(row, m):  # the most `lead` of the other micro-batches' `row` can cover
+        top = sorted((row[i] for i in ms if i != m), reverse=True)
+        return sum(top[:lead])
+
+    fill = {m: max(0.0, trip[m] - covered(f, m)) for m in ms}
+    drain = {m: max(0.0, trip[m] - covered(b, m)) for m in ms}
+    work = sum(f[m] + b[m] for m in ms)
+    if n == 1:  # its one forward waits its own round trip, then its backward
+        (m,) = ms
+        return head[m] + work + fill[m] + tail[m]
+    # the first and the last micro-batch differ; their waits are disjoint idle spans once the rank's
+    # first backward precedes its last forward (n > lead + 1), else only the larger one counts
+    if n > lead + 1:
+        starts = sorted((head[m] + fill[m], m) for m in ms)[:2]
+        ends = sorted((drain[m] + tail[m], m) for m in ms)[:2]
+        return work + min(a + e for a, i in starts for e, j in ends if i != j)
+    return work + min(head[i] + max(fill[i], drain[j]) + tail[j] for i in ms for j in ms if i != j)
 
 
 def gantt_pipeline(sched: PipelineSchedule, plan: Plan, path: str, title: str = "") -> None:

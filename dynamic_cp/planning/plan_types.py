@@ -31,6 +31,10 @@ class Plan:
     rounds: list[list[int]] | None = None
     # weight-sharding mode the plan was made for: 'none', 'per_step' or 'per_layer' (rounds set)
     fsdp: str = "none"
+    # pipeline stages under 1F1B: stage p runs pp_warmup x (pp - p - 1) forwards before its first
+    # backward (``pipeline_schedule.stage_ops``); 1 is plain 1F1B, more only where the plan's
+    # micro-batches are small enough to keep 1F1B's memory (``pipeline_order``)
+    pp_warmup: int = 1
 
     def per_rank(self) -> list[list[int]]:
         """rank -> indices into ``micro_batches`` in execution order."""

@@ -11,8 +11,9 @@ on every rank (the timeline of every stage rides in the world all-reduce), so ev
 same micro-batches on the same CP-group pattern. The last stage computes the loss target itself and
 the first stage the input; only activations cross stages.
 
-One step on a rank (``run_pipeline``): the stage's op order (``stage_ops``, 1F1B or GPipe, over the
-plan's whole micro-batch list) restricted to this rank's micro-batches (``rank_ops``). A forward
+One step on a rank (``run_pipeline``): the stage's op order (``stage_schedule``: ``stage_ops``, 1F1B
+at the plan's warm-up or GPipe, over the plan's whole micro-batch list) restricted to this rank's
+micro-batches (``rank_ops``). A forward
 receives x and the embedded block inputs from plan rank r of the stage before, runs the stage's
 blocks with the micro-batch's CP attention, and sends them on (the last stage computes the loss). A
 backward receives their gradients from the stage after, runs autograd, and sends the gradients of
@@ -197,10 +198,16 @@ class _Wire:
         self._sends = []
 
 
+def stage_schedule(pipe: Pipeline, plan) -> list[tuple[str, int]]:
+    """The stage's op list for ``plan``: its schedule at the plan's 1F1B warm-up, the list the
+    simulator replays (every rank of the stage runs its subsequence of the same list)."""
+    return stage_ops(len(plan.micro_batches), pipe.pp_size, pipe.stage, pipe.schedule, plan.pp_warmup)
+
+
 def run_pipeline(trainer, batch, timeline: StepTimeline, t0: float) -> float:
     """This rank's ops of the stage's schedule; -> the sum of its losses (0 off the last stage)."""
     pipe: Pipeline = trainer.pipeline
-    ops = stage_ops(len(batch.plan.micro_batches), pipe.pp_size, pipe.stage, pipe.schedule)
+    ops = stage_schedule(pipe, batch.plan)
     mine = dict(zip(batch.plan_indices, batch.micro_batches))
     wire = _Wire(pipe, trainer.device, trainer.compute_dtype())
     in_flight: dict[int, tuple] = {}  # m -> (outputs, their names, received leaves, times)
