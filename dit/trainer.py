@@ -73,7 +73,7 @@ class Trainer:
             )
         self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
         self.both = bool(self.expert) and self.expert[0] == "both"  # two experts, dit/expert_training.py
-        check_train_options(cfg, self.expert)
+        check_train_options(cfg, self.expert, self.device)
         self.val_sigmas = validation_sigmas(cfg.flow.val_sigmas, self.expert)
         self.lora = cfg.model.lora is not None
         model = build_train_model(cfg, self.expert, self.compute_dtype())

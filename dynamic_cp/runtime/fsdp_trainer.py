@@ -27,6 +27,7 @@ from dynamic_cp.runtime.fsdp import (
     apply_fsdp,
     configure,
     empty_micro_batch_loss,
+    fp8_scales_after_step,
     gather_weights,
     grad_norm_and_clip,
     release_weights,
@@ -75,7 +76,7 @@ class FSDPTrainer(DistributedTrainer):
 
     def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         # The parameters are this rank's shards: AdamW's moments are sharded with them (no ZeRO-1).
-        return build_optimizer(self.cfg.train, params)
+        return fp8_scales_after_step(build_optimizer(self.cfg.train, params), self.model)
 
     def _build_ema(self) -> ShardedEMA:
         return ShardedEMA(self.model, self.cfg.train.ema_decay)
