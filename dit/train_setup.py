@@ -44,10 +44,13 @@ def check_train_options(cfg: Config, expert: tuple[str, float] | None, device: t
             "experts with sample.py --pretrained"
         )
     if expert and expert[0] == "both" and cfg.model.idle_expert == "cpu":
-        raise ValueError(
-            "model.idle_expert=cpu is priced by --dry-run (dynamic_cp/planning/memory.py) but training does "
-            "not offload the idle expert yet; set model.idle_expert=sharded (or train one expert per run)"
-        )
+        clash = "model.compile" if cfg.model.compile else f"model.offload={cfg.model.offload}"
+        if cfg.model.compile or cfg.model.offload != "none":
+            raise ValueError(
+                f"model.idle_expert=cpu with {clash}: the idle expert is offloaded whole, not block by "
+                "block nor compiled, yet; set model.offload=none and model.compile=false, or "
+                "model.idle_expert=sharded"
+            )
 
 
 def validation_sigmas(sigmas, expert: tuple[str, float] | None) -> list[float]:

@@ -113,9 +113,10 @@ class Trainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer over the trainable parameters; under model.expert=both one per expert."""
         if self.both:
+            from dit.expert_offload import idle_expert_on_host  # model.idle_expert=cpu
             from dit.expert_training import ExpertOptimizers
 
-            return ExpertOptimizers(self.model, self._optimizer_over)  # type: ignore[return-value]
+            return idle_expert_on_host(self, ExpertOptimizers(self.model, self._optimizer_over))
         return self._optimizer_over(self.trainable_parameters())
 
     def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
