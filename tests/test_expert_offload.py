@@ -90,6 +90,8 @@ def test_three_steps_equal_no_offload_bitwise_with_the_idle_expert_off_the_devic
     saved_plain, val_plain = plain.model.state_dict(), plain.validation_loss()
     assert off.validation_loss() == val_plain  # no-grad forwards swap the experts one at a time
     assert len(host.on_host) == 1
+    gone = getattr(off.model, next(iter(host.on_host)))
+    assert all(p.grad is None for p in gone.parameters())  # its last step's gradients dropped with it
     saved = off.model.state_dict()
     assert saved.keys() == saved_plain.keys()
     for k, v in saved_plain.items():
@@ -115,6 +117,10 @@ def test_three_steps_equal_no_offload_bitwise_with_the_idle_expert_off_the_devic
 
 def test_an_expert_left_on_the_host_fails_loudly(tmp_path):
     off = _trainer(tmp_path, "cpu")
+    assert off.expert_host.on_host == set() and off.expert_host.host_bytes() == 0
+    spare = IdleExpertHost(off.model, off.optimizer, "cpu")  # a device by name
+    assert spare.device == torch.device("cpu") and not spare.pin
+    spare.remove()
     off.expert_host.offload("low")
     assert off.expert_host.device_bytes("low") == 0
     off.expert_host.offload("low")  # twice: still one host copy

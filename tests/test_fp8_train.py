@@ -103,6 +103,7 @@ def test_a_dimension_not_a_multiple_of_16_stays_out():
     assert "blocks.0.attn1.to_q" in names
     assert not fp8_filter(nn.Linear(16, 24), "blocks.0.x") and not fp8_filter(nn.Linear(24, 16), "blocks.0.x")
     assert fp8_filter(nn.Linear(16, 32), "blocks.0.x") and not fp8_filter(nn.Linear(16, 32), "blocks")
+    assert fp8_filter(nn.Linear(16, 32), "blocks.x")  # any depth below blocks
     assert not fp8_filter(nn.LayerNorm(16), "blocks.0.norm")
 
 
@@ -183,6 +184,9 @@ def test_recipes_and_the_fsdp_all_gather_reach_torchao():
             model = _OneLinear(32, 32)
             convert_to_fp8(model, recipe, fsdp_all_gather=gather)
             got[recipe, gather] = model.blocks[0][0].config
+    default = _OneLinear(32, 32)
+    convert_to_fp8(default, "tensorwise")  # no FSDP unless told
+    assert not default.blocks[0][0].config.enable_fsdp_float8_all_gather
     assert got["tensorwise", True].enable_fsdp_float8_all_gather
     assert not got["tensorwise", False].enable_fsdp_float8_all_gather
     assert not got["rowwise", True].enable_fsdp_float8_all_gather  # torchao gathers rowwise in bf16
