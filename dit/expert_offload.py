@@ -115,9 +115,10 @@ class IdleExpertHost:
         """An offloaded expert's ``state_dict`` holds its host copies, not the empty placeholders."""
         if module is not self.experts[name] or name not in self.on_host:
             return
-        for key, host in zip(self._names[name], self._host[name]):
-            if prefix + key in state:
-                state[prefix + key] = host
+        for keys, host in zip(self._names[name], self._host[name]):
+            for key in keys:  # a module held in two places has two keys
+                if prefix + key in state:
+                    state[prefix + key] = host
 
     def remove(self) -> None:
         """Both experts back on the device for good; the hooks dropped."""
@@ -127,10 +128,12 @@ class IdleExpertHost:
             self.onload(name)
 
 
-def _qualified(expert: nn.Module, tensors: list[tuple[nn.Module, str]]) -> list[str]:
-    """The state-dict key (relative to ``expert``) of each (module, attribute) of ``tensors``."""
-    where = {id(m): n for n, m in expert.named_modules(remove_duplicate=False)}
-    return [f"{where[id(m)]}.{a}" if where[id(m)] else a for m, a in tensors]
+def _qualified(expert: nn.Module, tensors: list[tuple[nn.Module, str]]) -> list[list[str]]:
+    """The state-dict keys (relative to ``expert``) of each (module, attribute) of ``tensors``."""
+    where: dict[int, list[str]] = {}
+    for n, m in expert.named_modules(remove_duplicate=False):
+        where.setdefault(id(m), []).append(n)
+    return [[f"{n}.{a}" if n else a for n in where[id(m)]] for m, a in tensors]
 
 
 def idle_expert_on_host(trainer, optimizers):

@@ -11,7 +11,8 @@ are 0. A LoRA run of both experts (imported from a diffusers folder) exports the
 Plants seen to fail: the expert not brought back before its forward (``onload`` returning at once:
 its forward meets empty weights); the other expert never sent away (``_before`` skipping
 ``offload``: the byte counter); the AdamW moments left behind (``offload`` keeping ``states``
-empty: the moment check); the state_dict hook off (the saved weights are empty).
+empty: the moment check); the state_dict hook off (the saved weights are empty); a shared module's
+second state_dict key left out (the hand-made pair).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_overrides
+from torch import nn
 
 from dit.config import load_config
 from dit.expert_offload import IdleExpertHost, idle_expert_on_host
@@ -205,3 +207,48 @@ def test_a_lora_run_with_the_idle_expert_on_the_host_equals_one_without(tmp_path
             load_file(str(tmp_path / idle / folder / "pytorch_lora_weights.safetensors")) for idle in runs
         )
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
+
+
+def test_host_copies_keep_dtype_strides_and_every_key_of_a_shared_module():
+    """On a hand-made pair: a bf16 weight stored transposed, an int buffer, one linear held twice."""
+    from types import SimpleNamespace
+
+    def expert():
+        e = nn.Module()
+        e.a = nn.Linear(4, 6).to(torch.bfloat16)
+        e.a.weight.data = e.a.weight.data.t().contiguous().t()  # (6, 4) with strides (1, 6)
+        e.b = e.a  # the same module in two places: state_dict keys a.* and b.*
+        e.register_buffer("count", torch.arange(3))
+        return e
+
+    pair = nn.Module()
+    pair.high, pair.low = expert(), expert()
+    opts = SimpleNamespace(
+        parts={
+            n: torch.optim.SGD(getattr(pair, n).parameters(), lr=0.1, momentum=0.9) for n in ("high", "low")
+        }
+    )
+    pair.low.a(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    opts.parts["low"].step()  # a momentum buffer per parameter: optimizer state to move
+    host = IdleExpertHost(pair, opts, "cpu")
+    before = {k: v.clone() for k, v in pair.low.state_dict().items()}
+    assert set(before) == {"a.weight", "a.bias", "b.weight", "b.bias", "count"}
+    stride, live = pair.low.a.weight.stride(), pair.low.a.weight.data_ptr()
+    host.offload("low")
+    assert pair.low.a.weight.dtype == torch.bfloat16 and pair.low.count.dtype == torch.int64  # placeholders
+    copies = {a: t for (_, a), t in zip(host._tensors["low"], host._host["low"])}
+    assert {a: t.dtype for a, t in copies.items()} == {"weight": torch.bfloat16, "bias": torch.bfloat16,
+                                                       "count": torch.int64}  # fmt: skip
+    assert copies["weight"].stride() == stride and not any(t.requires_grad for t in copies.values())
+    saved = pair.low.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in before.items())  # both keys of the shared linear
+    assert copies["weight"].data_ptr() != live  # a copy, not a view of the device tensor it replaces
+    moments = [t for _, _, t in host._states["low"]]
+    assert len(moments) == 2 and all(m.dtype == torch.bfloat16 for m in moments)
+    host.onload("low")
+    # back as copies of their own (as a GPU's would be), not the host buffers themselves
+    assert pair.low.a.weight.data_ptr() != copies["weight"].data_ptr()
+    back = [s["momentum_buffer"] for s in opts.parts["low"].state.values()]
+    assert all(b.data_ptr() != m.data_ptr() and torch.equal(b, m) for b, m in zip(back, moments))
+    assert pair.low.a.weight.stride() == stride and pair.low.a.weight.requires_grad
+    assert all(torch.equal(pair.low.state_dict()[k], v) for k, v in before.items())
