@@ -11,9 +11,16 @@ Sections (each in its own try/except: a failure prints its traceback and the run
    8960, text 4096) and a few layers, at about 8K and 32K tokens, eager and with ``model.compile``
    (one compiled model serves both lengths: its recompile count is in the table): tokens/s, TFLOP/s
    (``dit/flops.py``), MFU against the device's bf16 peak, peak memory;
-3. calibrate: ``python -m dynamic_cp.calibrate --quick`` writes a hardware profile into --out.
+3. calibrate: ``python -m dynamic_cp.calibrate --quick`` writes a hardware profile into --out;
+4. fp8: a LoRA step (r32) on an fp8_scaled base against a bf16 base (``model.base_dtype``): step time,
+   ratio, peak memory, the output's error; and ``train.fp8`` (torchao Float8Linear, tensorwise and
+   rowwise) against a bf16 full-training step, when torchao is installed and the GPU has fp8
+   (capability 8.9+; otherwise the rows say why they were skipped);
+5. offload: a checkpointed LoRA step with every block offloaded (``model.offload=blocks``) against no
+   offload: step-time ratio, peak device memory, offloaded blocks resident at most, adapter gradients
+   bitwise equal.
 
-Without CUDA (or with --dry-run) it prints what it would run and exits 0. Budget: under 8 minutes
+Without CUDA (or with --dry-run) it prints what it would run and exits 0. Budget: under 9 minutes
 on one H100/H200 (compiling the block takes most of it). Results also go to ``DIR/gpu_check.json``.
 """
 
@@ -60,6 +67,11 @@ def plan(args) -> list[str]:
         f"step: bf16 training step, Wan-1.3B width, {args.layers} layers, at {args.tokens} tokens, eager "
         "and compiled: tokens/s, TFLOP/s, MFU vs device peak, peak memory, recompiles",
         f"calibrate: python -m dynamic_cp.calibrate --quick --out {args.out}/profile.yaml",
+        f"fp8: LoRA r32 step on an fp8_scaled base vs a bf16 base, {args.layers} layers at {args.tokens[0]} "
+        "tokens: step time, ratio, peak memory, output error; train.fp8 tensorwise and rowwise vs bf16 "
+        "full training (needs torchao, .[fp8], and compute capability 8.9+; else skipped with why)",
+        f"offload: checkpointed LoRA step, every one of {args.layers} blocks offloaded (model.offload=blocks) "
+        "vs none: step-time ratio, peak device memory, resident blocks at most, gradients bitwise equal",
     ]
 
 
@@ -254,6 +266,162 @@ def check_calibrate(out: Path) -> list[dict]:
     return [row]
 
 
+# ----------------------------------------------------------------------------- 4-5. fp8 and offload
+
+
+def needs_cuda(section: str, device: torch.device) -> list[dict] | None:
+    """The row that skips ``section`` off a CUDA device (None on one): these cases time a GPU."""
+    if device.type == "cuda":
+        return None
+    return [{"section": section, "item": "all", "skipped": f"needs a CUDA device, not {device.type}"}]
+
+
+def fp8_training_skip(device: torch.device) -> str | None:
+    """Why ``train.fp8`` cannot run on ``device`` (the trainer's own refusal), or None."""
+    from dit.fp8_train import check_fp8_runs
+
+    try:
+        check_fp8_runs(True, False, device)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _lowmem_model(layers: int, base: str | None):
+    """Wan-1.3B width on the CPU: a LoRA r32 model on a frozen bf16 or fp8_scaled base, or with
+    ``base`` None a full-training model (fp32 weights)."""
+    from dit.fp8_base import store_base_in_fp8
+    from dit.lora import setup_lora
+    from dit.model import VideoDiT
+    from dit.model_config import LoraSettings
+
+    torch.manual_seed(0)
+    model = VideoDiT(**WAN_13B, num_layers=layers, adaln_zero_init=False)
+    if base is not None:
+        setup_lora(model, LoraSettings(rank=32), None, torch.bfloat16)
+        if base == "fp8_scaled":
+            store_base_in_fp8(model, per_row=True, compute_dtype=torch.bfloat16)
+    return model
+
+
+def _timed_lowmem(model, device: torch.device, tokens: int, repeats: int, item: str, section: str):
+    """Steps of ``model`` (on ``device``): forward in bf16 autocast, backward, AdamW on what trains.
+    -> a row with step_ms, tokens_per_s, peak_mem_gib, and its first step's output and gradients."""
+    from dit.attention import PackedAttention
+
+    inputs = _step_inputs(tokens, device)
+    n = inputs["tokens"].shape[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    first = {}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(**inputs, attention=PackedAttention([n]))
+        loss = out.float().square().mean()
+        loss.backward()
+        if not first:
+            first.update(out=out.detach().float(), loss=float(loss), grads=[p.grad.clone() for p in params])
+        opt.step()
+
+    step()
+    _sync()
+    torch.cuda.reset_peak_memory_stats(device)
+    seconds = _median_time(step, repeats=repeats, warmup=0)
+    row = {
+        "section": section,
+        "item": item,
+        "tokens": n,
+        "step_ms": 1e3 * seconds,
+        "tokens_per_s": n / seconds,
+    }
+    row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row, first
+
+
+def _vs(rows: list[dict], firsts: list[dict]) -> None:
+    """Ratios and output errors of each row against the first (the baseline)."""
+    for row, first in zip(rows[1:], firsts[1:]):
+        row["ratio"] = row["step_ms"] / rows[0]["step_ms"]
+        row["out_err"] = _rel_max(first["out"], firsts[0]["out"])
+        row["loss_rel"] = abs(first["loss"] - firsts[0]["loss"]) / abs(firsts[0]["loss"])
+
+
+def check_fp8(device: torch.device, layers: int, tokens: int, repeats: int) -> list[dict]:
+    skipped = needs_cuda("fp8", device)
+    if skipped:
+        return skipped
+    rows: list[dict] = []
+    groups = [("lora base", [("bf16", "bf16"), ("fp8_scaled", "fp8_scaled")])]
+    why = fp8_training_skip(device)
+    if why is None:
+        groups.append(("train.fp8", [("bf16", None), ("tensorwise", "tensorwise"), ("rowwise", "rowwise")]))
+    else:
+        rows.append({"section": "fp8", "item": "train.fp8", "skipped": why})
+    for group, variants in groups:
+        done, firsts = [], []
+        for name, what in variants:
+            row = {"section": "fp8", "item": f"{group} {name}"}
+            try:
+                if group == "lora base":
+                    model = _lowmem_model(layers, what)
+                else:
+                    from dit.fp8_train import convert_to_fp8
+
+                    model = _lowmem_model(layers, None)
+                    if what is not None:
+                        row["converted"] = len(convert_to_fp8(model, what))
+                model.to(device)
+                timed, first = _timed_lowmem(model, device, tokens, repeats, row["item"], "fp8")
+                done.append({**timed, **row})
+                firsts.append(first)
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc(limit=3)
+                traceback.print_exc()
+                rows.append(row)
+            model = None
+            torch.cuda.empty_cache()
+        if firsts and len(firsts) == len(done):
+            _vs(done, firsts)
+        rows += done
+    return rows
+
+
+def check_offload(device: torch.device, layers: int, tokens: int, repeats: int) -> list[dict]:
+    from dit.block_offload import BlockOffloader
+
+    skipped = needs_cuda("offload", device)
+    if skipped:
+        return skipped
+    rows, firsts = [], []
+    for count in (0, layers):
+        row = {"section": "offload", "item": f"blocks {count} of {layers}"}
+        try:
+            model = _lowmem_model(layers, "bf16")
+            model.gradient_checkpointing = True
+            offloader = BlockOffloader(model.blocks, device, count, lambda: True) if count else None
+            model.to(device)
+            timed, first = _timed_lowmem(model, device, tokens, repeats, row["item"], "offload")
+            row.update(timed)
+            if offloader is not None:
+                row["resident_blocks_max"] = offloader.peak_blocks
+                row["host_gib"] = offloader.host_bytes() / 2**30
+            firsts.append(first)
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc(limit=3)
+            traceback.print_exc()
+        rows.append(row)
+        model = offloader = None
+        torch.cuda.empty_cache()
+    if len(firsts) == 2:
+        _vs(rows, firsts)
+        rows[1]["grads_equal"] = all(
+            torch.equal(a, b) for a, b in zip(firsts[0]["grads"], firsts[1]["grads"])
+        )
+    return rows
+
+
 # ----------------------------------------------------------------------------- table
 
 
@@ -281,13 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks of the Wan-1.3B-wide model")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8448, 32760], help="tokens of the step")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per size (median)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["attention", "step", "calibrate"])
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=["attention", "step", "calibrate", "fp8", "offload"]
+    )
     ap.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     args = ap.parse_args(argv)
     sections = plan(args)
     if args.dry_run or not torch.cuda.is_available():
         why = "--dry-run" if args.dry_run else "no CUDA device"
-        print(f"gpu_check ({why}): would run, on one GPU, in under 8 minutes:")
+        print(f"gpu_check ({why}): would run, on one GPU, in under 9 minutes:")
         for line in sections:
             print(f"  - {line}")
         return 0
@@ -303,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += check_steps(device, args.layers, args.tokens, args.repeats)
     if "calibrate" not in args.skip:
         rows += check_calibrate(out)
+    if "fp8" not in args.skip:
+        rows += check_fp8(device, args.layers, args.tokens[0], args.repeats)
+    if "offload" not in args.skip:
+        rows += check_offload(device, args.layers, args.tokens[0], args.repeats)
     print_table(rows)
     print(f"total {time.perf_counter() - started:.0f} s")
     (out / "gpu_check.json").write_text(json.dumps(rows, indent=1, default=str))

@@ -49,12 +49,13 @@ def check_offload(model_cfg) -> None:
         raise ValueError(f"model.offload={mode} with model.compile: choose one (set model.compile=false)")
 
 
-def frozen_tensors(block: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, name) of every tensor of ``block`` that does not train: frozen parameters and buffers."""
+def frozen_tensors(block: nn.Module, trainable: bool = False) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every tensor of ``block`` that does not train: frozen parameters and buffers;
+    with ``trainable`` the trainable parameters too (every tensor: dit/expert_offload.py)."""
     found = []
     for module in block.modules():
         for name, p in module._parameters.items():
-            if p is not None and not p.requires_grad:
+            if p is not None and (trainable or not p.requires_grad):
                 found.append((module, name))
         found += [(module, name) for name, b in module._buffers.items() if b is not None]
     return found

@@ -103,6 +103,10 @@ class TrainConfig:
     ema_decay: float = 0.99  # EMA of the weights used for sampling; 0 disables it
     # 'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' (any device) or 'no'
     mixed_precision: str | bool = "auto"
+    # Float8 matmuls in the blocks' linears (dit/fp8_train.py, torchao: pip .[fp8]); full training
+    # on a GPU of compute capability 8.9+ (H100); fp32 master weights and optimizer states stay
+    fp8: bool = False
+    fp8_recipe: str = "tensorwise"  # train.fp8's scales: 'tensorwise' (fp8 FSDP all-gather) or 'rowwise'
     seed: int = 0  # seed of initialization, noise and timesteps
     log_every: int = 10  # steps between metric lines
     val_every: int = 50  # steps between validation losses
@@ -146,6 +150,9 @@ class TrainConfig:
             self.mixed_precision = "no"
         if self.mixed_precision not in ("auto", "bf16", "no"):
             raise ValueError(f"train.mixed_precision={self.mixed_precision!r}; use 'auto', 'bf16' or 'no'")
+        from dit.fp8_train import check_fp8_settings
+
+        check_fp8_settings(self.fp8, self.fp8_recipe)
         if len(self.betas) != 2:
             raise ValueError(f"train.betas={self.betas} must be two numbers")
         if self.lr_schedule not in ("constant", "cosine", "linear"):

@@ -20,8 +20,11 @@ from dit.setup import build_datasets, build_model, build_text_encoder, build_vae
 from dit.ti2v import check_ti2v_data
 
 
-def check_train_options(cfg: Config, expert: tuple[str, float] | None) -> None:
-    """ValueError naming the fix for option combinations training does not run."""
+def check_train_options(cfg: Config, expert: tuple[str, float] | None, device: torch.device) -> None:
+    """ValueError naming the fix for option combinations training does not run (on ``device``)."""
+    from dit.fp8_train import check_fp8_runs
+
+    check_fp8_runs(cfg.train.fp8, cfg.model.lora is not None, device)
     if cfg.model.offload != "none" and not cfg.model.gradient_checkpointing:
         raise ValueError(
             f"model.offload={cfg.model.offload} trains by bringing each block back for its recompute in "
@@ -41,9 +44,20 @@ def check_train_options(cfg: Config, expert: tuple[str, float] | None) -> None:
             "experts with sample.py --pretrained"
         )
     if expert and expert[0] == "both" and cfg.model.idle_expert == "cpu":
-        raise ValueError(
-            "model.idle_expert=cpu is priced by --dry-run (dynamic_cp/planning/memory.py) but training does "
-            "not offload the idle expert yet; set model.idle_expert=sharded (or train one expert per run)"
+        clash = "model.compile" if cfg.model.compile else f"model.offload={cfg.model.offload}"
+        if cfg.model.compile or cfg.model.offload != "none":
+            raise ValueError(
+                f"model.idle_expert=cpu with {clash}: the idle expert is offloaded whole, not block by "
+                "block nor compiled, yet; set model.offload=none and model.compile=false, or "
+                "model.idle_expert=sharded"
+            )
+
+
+def warn_on_few_checkpoints(cfg: Config) -> None:
+    if cfg.train.keep_checkpoints < 2:
+        print(
+            f"warning: train.keep_checkpoints={cfg.train.keep_checkpoints}: a crash while saving can "
+            "leave no whole checkpoint to resume; keep 2 or more"
         )
 
 
@@ -72,6 +86,10 @@ def build_train_model(cfg: Config, expert: tuple[str, float] | None, compute_dty
     both = bool(expert) and expert[0] == "both"
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, expert[1] if both else None)
+    if cfg.train.fp8:  # the blocks' linears (dit/fp8_train.py); fp8 all-gather when FSDP2 shards them
+        from dit.fp8_train import convert_to_fp8
+
+        convert_to_fp8(model, cfg.train.fp8_recipe, cfg.parallel.fsdp in ("per_step", "per_layer"))
     if cfg.model.lora is None:
         return model
     from dit.fp8_base import base_storage_dtype, store_base_in_fp8

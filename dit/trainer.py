@@ -44,6 +44,7 @@ from dit.train_setup import (
     build_train_model,
     check_train_options,
     validation_sigmas,
+    warn_on_few_checkpoints,
 )
 from dit.trainer_resume import ema_folder, load_adapters, load_model_weights
 
@@ -66,14 +67,11 @@ class Trainer:
         check_trackers_installed(cfg.train.report_to)
         check_optimizer_runs(cfg.train, self.device)
         self._tracker: Tracker | None = None
-        if cfg.train.keep_checkpoints < 2 and self.is_main:
-            print(
-                f"warning: train.keep_checkpoints={cfg.train.keep_checkpoints}: a crash while saving can "
-                "leave no whole checkpoint to resume; keep 2 or more"
-            )
+        if self.is_main:
+            warn_on_few_checkpoints(cfg)
         self.expert = expert_of(cfg.model)  # (name, boundary_ratio) of a Wan2.2 A14B expert, or None
         self.both = bool(self.expert) and self.expert[0] == "both"  # two experts, dit/expert_training.py
-        check_train_options(cfg, self.expert)
+        check_train_options(cfg, self.expert, self.device)
         self.val_sigmas = validation_sigmas(cfg.flow.val_sigmas, self.expert)
         self.lora = cfg.model.lora is not None
         model = build_train_model(cfg, self.expert, self.compute_dtype())
@@ -113,9 +111,10 @@ class Trainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer over the trainable parameters; under model.expert=both one per expert."""
         if self.both:
+            from dit.expert_offload import idle_expert_on_host  # model.idle_expert=cpu
             from dit.expert_training import ExpertOptimizers
 
-            return ExpertOptimizers(self.model, self._optimizer_over)  # type: ignore[return-value]
+            return idle_expert_on_host(self, ExpertOptimizers(self.model, self._optimizer_over))
         return self._optimizer_over(self.trainable_parameters())
 
     def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

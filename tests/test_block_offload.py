@@ -200,3 +200,100 @@ def test_dry_run_shows_the_24_gb_recipe_fits_with_its_block_count(capsys):
         in out
     )
     assert "model.offload=blocks+activations: 7 blocks offloaded (offload_blocks=auto)" in out
+
+
+def test_the_edges_of_the_settings_and_the_counts_are_accepted():
+    """offload_blocks=0 and every block are valid counts; compile without offload is not refused."""
+    from dit.model_config import LoraSettings
+
+    assert ModelConfig(offload="blocks", offload_blocks=0, lora=LoraSettings()).offload_blocks == 0
+    assert ModelConfig(compile=True).compile  # offload none: compile is fine
+    with pytest.raises(ValueError, match="model.offload=blocks with model.compile: choose one"):
+        ModelConfig(offload="blocks", lora=LoraSettings(), compile=True)
+    model = _lora_model(False)
+    none = BlockOffloader(model.blocks, "cpu", 0, lambda: True)
+    assert none.swapped == set() and none.peak_blocks == 0 and none.host_bytes() == 0
+    _step(model)
+    assert none.peak_blocks == 0  # nothing offloaded: nothing ever brought in
+    with pytest.raises(ValueError, match="the model has 2 blocks; use 0 to 2"):
+        BlockOffloader(model.blocks, "cpu", -1, lambda: True)
+
+
+def test_frozen_tensors_lists_real_buffers_and_keeps_dtypes_while_offloaded():
+    """A None buffer (an FP8Linear without bias) is no tensor to move; an offloaded tensor keeps its
+    dtype (peft and autocast read it), fp8 included."""
+    from dit.block_offload import frozen_tensors
+
+    m = torch.nn.Linear(4, 4)
+    m.register_buffer("kept", torch.ones(2))
+    m.register_buffer("absent", None)
+    m.weight.requires_grad_(False)
+    assert frozen_tensors(m) == [(m, "weight"), (m, "kept")]
+    assert frozen_tensors(m, trainable=True) == [(m, "weight"), (m, "bias"), (m, "kept")]
+    model = _lora_model(fp8=True)
+    dtypes = {n: t.dtype for n, t in [*model.blocks[1].named_buffers(), *model.blocks[1].named_parameters()]}
+    off = BlockOffloader(model.blocks, "cpu", 1, lambda: True)
+    assert off.peak_blocks == 0
+    for n, t in [*model.blocks[1].named_buffers(), *model.blocks[1].named_parameters()]:
+        assert t.dtype == dtypes[n], n
+    assert torch.float8_e4m3fn in dtypes.values()
+
+
+def test_each_offloaded_block_is_copied_in_twice_and_freed_twice_a_step():
+    """Forward and recompute: one copy in and one release each, no more (a block freed before its own
+    recompute, or a backward prefetch in the wrong direction, copies again)."""
+    from collections import Counter
+
+    model = _lora_model(fp8=False)
+    off = BlockOffloader(model.blocks, "cpu", 2, lambda: True)
+    copies, releases = Counter(), Counter()
+    onload, release = off._onload, off._release
+
+    def counting_onload(i):
+        copies[i] += i not in off._resident
+        onload(i)
+
+    def counting_release(i):
+        releases[i] += i in off._resident
+        release(i)
+
+    off._onload, off._release = counting_onload, counting_release
+    _step(model)
+    assert copies == Counter({0: 2, 1: 2}) and releases == Counter({0: 2, 1: 2})
+    assert off.device_bytes() == 0
+
+
+def test_without_recompute_a_training_forward_keeps_its_blocks_and_a_no_grad_one_does_not():
+    model = _lora_model(fp8=False)
+    off = BlockOffloader(model.blocks, "cpu", 2, lambda: False)
+    _step(model, grad=False)
+    assert off.device_bytes() == 0  # sampling: each block freed after its forward
+    model.gradient_checkpointing = False
+    clips, texts, timesteps = batch()
+    packed = pack(clips, model.patch_size)
+    out = model(packed.tokens, packed.positions, packed.seq_lens, timesteps, torch.cat(texts),
+                torch.tensor([t.shape[0] for t in texts]), PackedAttention(packed.seq_lens))  # fmt: skip
+    assert off.device_bytes() == off.host_bytes()  # autograd saved them for the backward: kept
+    out.sum().backward()
+
+
+def test_offload_model_installs_per_mode():
+    from types import SimpleNamespace
+
+    from dit.block_offload import checkpoint_on_host, offload_model
+
+    model = _lora_model(fp8=False)
+    plain_fn = model.checkpoint_fn
+    assert offload_model(model, SimpleNamespace(offload="none"), "cpu", 2) == []
+    (off,) = offload_model(model, SimpleNamespace(offload="blocks"), "cpu", 1)
+    assert off.swapped == {1} and model.checkpoint_fn is plain_fn
+    model = _lora_model(fp8=False)
+    offload_model(model, SimpleNamespace(offload="blocks+activations"), "cpu", 1)
+    assert model.checkpoint_fn is checkpoint_on_host
+
+
+def test_the_recompute_runs_the_block_on_the_input_brought_back():
+    from dit.block_offload import _block_on_device
+
+    x = torch.randn(3, 4)
+    assert torch.equal(_block_on_device(lambda h, k: h * k, torch.device("cpu"), x, 2.0), x * 2)

@@ -153,6 +153,18 @@ def apply_fsdp(
     return model
 
 
+def fp8_scales_after_step(optimizer: torch.optim.Optimizer, model: torch.nn.Module):
+    """``train.fp8`` with fp8 all-gather (tensorwise, ``dit/fp8_train.py``): after each step of
+    ``optimizer`` the scales of all of ``model``'s fp8-gathered weights are computed at once, in one
+    all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan calls it), not
+    one amax all-reduce per weight in its all-gather. A model without Float8Linear: unchanged."""
+    if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    return optimizer
+
+
 def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
     """The root, then block 0 .. B-1: the order of the explicit gathers of ``per_step``."""
     return [model, *held_blocks(model)]

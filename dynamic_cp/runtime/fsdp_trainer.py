@@ -24,6 +24,7 @@ from dynamic_cp.runtime.fsdp import (
     ShardedEMA,
     apply_fsdp,
     configure,
+    fp8_scales_after_step,
     release_weights,
     resolve_fsdp_mode,
 )
@@ -63,7 +64,7 @@ class FSDPTrainer(DistributedTrainer):
 
     def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         # The parameters are this rank's shards: AdamW's moments are sharded with them (no ZeRO-1).
-        return build_optimizer(self.cfg.train, params)
+        return fp8_scales_after_step(build_optimizer(self.cfg.train, params), self.model)
 
     def _build_ema(self) -> ShardedEMA:
         return ShardedEMA(self.model, self.cfg.train.ema_decay)

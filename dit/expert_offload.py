@@ -1,0 +1,151 @@
+"""``model.idle_expert: cpu``: under ``model.expert: both`` the expert a step does not run waits in
+host memory, its weights, buffers and AdamW moments, as ``--dry-run`` prices it
+(``dynamic_cp/planning/memory.py``).
+
+A forward pre-hook on each expert brings it to the device (if it is on the host) and sends the
+other one to the host unless that one still has a part in this step: it ran earlier in it (its
+gradients wait for the optimizer step) and the forward is a training one. Micro-batches are packed
+high first, then low (``pack_per_expert``), so in a step that runs one expert only that one is on
+the device; a step that runs both ends with both there, as their optimizer steps need. Validation
+forwards (no grad) keep one expert at a time; an expert's leftover gradients are dropped when it
+leaves (the next step zeroes them anyway).
+
+As in ``dit/block_offload.py`` (``frozen_tensors`` lists the tensors), a tensor is swapped in place
+(``t.data = ...``): parameters keep their identity for the optimizer, and an expert used while on
+the host has empty weights and fails loudly. Checkpoints read an offloaded expert's host copies
+(a ``state_dict`` post-hook), so saving brings nothing back. The AdamW moments move as tensors in
+the optimizer's state (its ``state_dict`` reads them wherever they are).
+
+Both experts are on the device while the model is built, the EMA copied and a checkpoint resumed;
+the first forward sends the idle one away. One process only: ranks would have to agree on the idle
+expert before the gradient reduction, and under FSDP the expert is sharded anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from dit.block_offload import frozen_tensors
+from dit.flow import EXPERTS
+
+
+class IdleExpertHost:
+    """Moves ``pair.high`` / ``pair.low`` (and their ``optimizers.parts[name]`` states) between
+    ``device`` and host memory around their forwards; see the module docstring."""
+
+    def __init__(self, pair: nn.Module, optimizers, device: torch.device | str):
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda"
+        self.experts = {n: getattr(pair, n) for n in EXPERTS}
+        self.optimizers = optimizers
+        self._tensors = {n: frozen_tensors(e, trainable=True) for n, e in self.experts.items()}
+        self._names = {n: _qualified(e, self._tensors[n]) for n, e in self.experts.items()}
+        self._host: dict[str, list[torch.Tensor]] = {}  # an offloaded expert's tensors
+        self._states: dict[str, list[tuple[dict, str, torch.Tensor]]] = {}  # its AdamW moments
+        self.on_host: set[str] = set()
+        self._handles = []
+        for name, expert in self.experts.items():
+            self._handles.append(expert.register_forward_pre_hook(lambda m, _a, n=name: self._before(m, n)))
+            self._handles.append(
+                expert.register_state_dict_post_hook(lambda m, sd, p, _l, n=name: self._saved(m, n, sd, p))
+            )
+
+    # ---------------------------------------------------------------- what is where
+    def device_bytes(self, name: str) -> int:
+        """Bytes of expert ``name``'s tensors on the device now, read from the tensors themselves."""
+        return sum(getattr(m, a).nbytes for m, a in self._tensors[name])
+
+    def host_bytes(self) -> int:
+        """Host memory the offloaded experts take: tensors and optimizer states."""
+        tensors = sum(t.nbytes for ts in self._host.values() for t in ts)
+        return tensors + sum(t.nbytes for ss in self._states.values() for _, _, t in ss)
+
+    # ---------------------------------------------------------------- moves
+    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # its strides too: an imported weight may be a transposed view, and a contiguous copy would
+        # change the matmul's summation order (a last-bit difference)
+        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=self.pin)
+        return host.copy_(t.detach())
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True) if self.pin else host.clone()
+
+    def offload(self, name: str) -> None:
+        if name in self.on_host:
+            return
+        self._host[name] = [self._copy_to_host(getattr(m, a)) for m, a in self._tensors[name]]
+        for m, a in self._tensors[name]:
+            t = getattr(m, a)
+            t.grad = None
+            t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        states = []
+        for p in self._trainable(name):
+            for key, value in self.optimizers.parts[name].state.get(p, {}).items():
+                if torch.is_tensor(value) and value.device.type == self.device.type and value.dim() > 0:
+                    states.append((self.optimizers.parts[name].state[p], key, self._copy_to_host(value)))
+        for state, key, host in states:
+            state[key] = host
+        self._states[name] = states
+        self.on_host.add(name)
+
+    def onload(self, name: str) -> None:
+        if name not in self.on_host:
+            return
+        for (m, a), host in zip(self._tensors[name], self._host.pop(name)):
+            getattr(m, a).data = self._to_device(host)
+        for state, key, host in self._states.pop(name):
+            state[key] = self._to_device(host)
+        self.on_host.discard(name)
+
+    def _trainable(self, name: str) -> list[torch.nn.Parameter]:
+        return [p for p in self.experts[name].parameters() if p.requires_grad]
+
+    # ---------------------------------------------------------------- hooks
+    def _before(self, module: nn.Module, name: str) -> None:
+        if module is not self.experts[name]:  # a copy of the expert (the EMA's deepcopy) carries the hook
+            return
+        for other in EXPERTS:
+            busy = torch.is_grad_enabled() and any(p.grad is not None for p in self._trainable(other))
+            if other != name and not busy:
+                self.offload(other)
+        self.onload(name)
+
+    def _saved(self, module: nn.Module, name: str, state: dict, prefix: str) -> None:
+        """An offloaded expert's ``state_dict`` holds its host copies, not the empty placeholders."""
+        if module is not self.experts[name] or name not in self.on_host:
+            return
+        for keys, host in zip(self._names[name], self._host[name]):
+            for key in keys:  # a module held in two places has two keys
+                if prefix + key in state:
+                    state[prefix + key] = host
+
+    def remove(self) -> None:
+        """Both experts back on the device for good; the hooks dropped."""
+        for h in self._handles:
+            h.remove()
+        for name in EXPERTS:
+            self.onload(name)
+
+
+def _qualified(expert: nn.Module, tensors: list[tuple[nn.Module, str]]) -> list[list[str]]:
+    """The state-dict keys (relative to ``expert``) of each (module, attribute) of ``tensors``."""
+    where: dict[int, list[str]] = {}
+    for n, m in expert.named_modules(remove_duplicate=False):
+        where.setdefault(id(m), []).append(n)
+    return [[f"{n}.{a}" if n else a for n in where[id(m)]] for m, a in tensors]
+
+
+def idle_expert_on_host(trainer, optimizers):
+    """``model.idle_expert=cpu``: install ``IdleExpertHost`` on ``trainer``'s ExpertPair and its
+    ``optimizers`` (an ExpertOptimizers) -> ``optimizers``; ValueError where it cannot run."""
+    if trainer.cfg.model.idle_expert != "cpu":
+        return optimizers
+    if trainer.world_size > 1 or getattr(trainer, "fsdp_mode", "none") != "none":
+        raise ValueError(
+            "model.idle_expert=cpu offloads the idle expert on one process only (ranks would have to "
+            "agree on it before the gradient reduction; FSDP shards it instead): set "
+            "model.idle_expert=sharded, or train on one process"
+        )
+    trainer.expert_host = IdleExpertHost(trainer.model, optimizers, trainer.device)
+    return optimizers
