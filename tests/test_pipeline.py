@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from dit.config import load_config, to_dict
 from dynamic_cp.runtime.launch import trainer_class
 from dynamic_cp.runtime.testing import run_gloo
-from tests.test_fsdp import CONFIG, LR, U, one_process_run, perturb
+from tests.test_fsdp import CONFIG, LR, PerturbedTrainer, U, one_process_run, perturb
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = 3
@@ -110,6 +110,7 @@ def _run(items: dict, out: str) -> dict:
             super()._shard_model()
 
     trainer = Perturbed(cfg, dist.group.WORLD)
+    val = trainer.validation_loss()  # through the stages (PipelineEval): the loss reaches stage 0
     batches = trainer.data_iterator()
     steps, cp, warmups = [], set(), []
     for _ in range(STEPS):
@@ -128,6 +129,7 @@ def _run(items: dict, out: str) -> dict:
         "cp": sorted(cp),
         "warmups": warmups,
         "stage": trainer.pipeline.stage,
+        "val": val,
     }
 
 
@@ -138,8 +140,15 @@ def worker(rank: int, world_size: int, root: str) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def _reference(out: str) -> tuple[list[dict], dict]:
-    return one_process_run(load_config(CONFIG, overrides(out, **{"parallel.mode": "none"})), STEPS)
+def _reference(out: str) -> tuple[list[dict], dict, float]:
+    cfg = load_config(CONFIG, overrides(out, **{"parallel.mode": "none"}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        val = PerturbedTrainer(cfg, device=torch.device("cpu")).validation_loss()  # at step 0
+    finally:
+        torch.set_num_threads(threads)
+    return (*one_process_run(cfg, STEPS), val)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +161,7 @@ def test_pipeline_equals_one_process(world_size, reference, tmp_path):
     out = run_gloo(worker, world_size, str(tmp_path), timeout_s=180)
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    ref_steps, ref_params = reference
+    ref_steps, ref_params, ref_val = reference
     for name in CASES[world_size]:
         where = f"W={world_size} {name}"
         if world_size > 3:
@@ -174,6 +183,9 @@ def test_pipeline_equals_one_process(world_size, reference, tmp_path):
                 f"{where} step {s + 1}"
             )
         assert_weights_close(params, ref_params, where)
+        # the step-0 validation loss on rank 0 (stage 0), run stage by stage: the one process's within
+        # the loss bound (the same sums, only blocked in other orders)
+        assert out[0][name]["val"] == pytest.approx(ref_val, rel=LOSS_REL), f"{where} validation loss"
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -254,7 +266,7 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
     cfg = to_dict(load_config(CONFIG, overrides(str(tmp_path / "pp2"), **first)))
     assert yaml.safe_load((step_dir / "config.yaml").read_text()) == cfg
     assert list(yaml.safe_load((step_dir / "config.yaml").read_text())) == list(cfg), "not the config's order"
-    _, ref_params = reference
+    _, ref_params, _ = reference
     for world_size, pp, fsdp in ((2, 1, "none"), (3, 3, "none"), (4, 2, "per_step")):
         then = {"parallel.pp_size": pp, "train.max_steps": 3, "parallel.cap_tokens": 200 if pp == 3 else 96}
         then["parallel.fsdp"] = fsdp
@@ -286,7 +298,7 @@ def test_fsdp_stage_checkpoint_resumes_bitwise_and_unsharded(reference, tmp_path
             assert torch.equal(got[name], p), f"FSDP stages resumed at step 2: {name} (ema={ema}) differs"
     flat = {"parallel.pp_size": 1, "parallel.fsdp": "none", "train.max_steps": 3}
     unsharded = run_gloo(_train, 2, str(tmp_path / "flat"), flat, str(step_dir))
-    _, ref_params = reference
+    _, ref_params, _ = reference
     assert_weights_close(_params_of(whole), ref_params, "FSDP stages, uninterrupted")
     assert_weights_close(_params_of(unsharded), ref_params, "FSDP stages resumed at pp_size=1, replicated")
     assert_ema_resumed(unsharded, step_dir)

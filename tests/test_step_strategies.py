@@ -96,3 +96,36 @@ def test_each_mode_gets_its_strategy(mode, cls, every_rank):
     strategy = step_strategy(None, mode)
     assert type(strategy) is cls
     assert strategy.validates_on_every_rank is every_rank
+
+
+def test_the_pipeline_timeline_sums_each_micro_batch_over_the_stages():
+    """PP 2 x 2: every rank fills its stage's segment; the world SUM gathers them, and a micro-batch's
+    seconds and comm seconds are the sums over stages (the whole model's), its start stage 0's.
+    Planted and seen to fail: a segment of float32 (the seconds round), a start read from the last
+    stage, the seconds of one stage only."""
+    from dynamic_cp.runtime.pipeline import PipelineTimeline
+
+    plan = Plan(micro_batches=[((0, 1), [0]), ((0,), [1]), ((1,), [2])], world_size=2, cap_tokens=1e9)
+    # (stage, plan rank) -> {m: (ready, end, comm)}; stage 1 runs later and longer
+    runs = {
+        (0, 0): {0: (0.1, 1.1, 0.2), 1: (1.1, 2.6, 0.0)},
+        (0, 1): {0: (0.3, 1.2, 0.4), 2: (1.2, 1.7, 0.0)},
+        (1, 0): {0: (0.5, 2.5, 0.6), 1: (2.5, 3.0, 0.0)},
+        (1, 1): {0: (0.6, 2.6, 0.8), 2: (2.6, 4.1, 0.0)},
+    }
+    gathered = 0
+    for (stage, rank), mine in runs.items():
+        t = PipelineTimeline(plan, rank, stage, 2)
+        for m, (ready, end, comm) in mine.items():
+            t.record(m, ready, end, comm)
+        t.finish(max(e for _, e, _ in mine.values()))
+        assert t.local().dtype == torch.float64
+        gathered = gathered + t.local()
+    rows = PipelineTimeline(plan, 0, 0, 2).micro_batch_seconds(gathered)
+    expected = [  # start on stage 0; seconds and comm: stage 0's plus stage 1's
+        (0.3, (1.2 - 0.3) + (2.6 - 0.6), (0.2 + 0.4) / 2 + (0.6 + 0.8) / 2),
+        (1.1, 1.5 + 0.5, 0.0),
+        (1.2, 0.5 + 1.5, 0.0),
+    ]
+    for got, want in zip(rows, expected):
+        assert got == pytest.approx(want, abs=1e-12)  # float32 slots would be ~1e-8 off
