@@ -100,7 +100,23 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
 
 
+def _timeline_faults(records: list, finished: list) -> list[str]:
+    """A rank's recorded micro-batches on its stage (ready, end) against its compute window: each ends
+    after it was ready, and they never overlap, so their busy seconds add up to at most the window."""
+    faults = [
+        f"micro-batch {m} ends at {end} before it was ready at {ready}"
+        for m, ready, end in records
+        if end <= ready
+    ]
+    busy = sum(end - ready for _, ready, end in records)
+    if busy > finished[-1] + 1e-6:
+        faults.append(f"busy {busy:.6f} s in a {finished[-1]:.6f} s window")
+    return faults
+
+
 def _run(items: dict, out: str) -> dict:
+    from dynamic_cp.runtime.pipeline import PipelineTimeline
+
     cfg = load_config(CONFIG, overrides(out, **items))
     base = trainer_class(cfg, dist.group.WORLD)
 
@@ -112,12 +128,22 @@ def _run(items: dict, out: str) -> dict:
     trainer = Perturbed(cfg, dist.group.WORLD)
     val = trainer.validation_loss()  # through the stages (PipelineEval): the loss reaches stage 0
     batches = trainer.data_iterator()
-    steps, cp, warmups = [], set(), []
+    steps, cp, warmups, faults = [], set(), [], []
+    record, finish = PipelineTimeline.record, PipelineTimeline.finish
     for _ in range(STEPS):
+        records, finished = [], []
+        PipelineTimeline.record = lambda t, m, ready, end, comm=0.0, records=records: (
+            records.append((m, ready, end)) or record(t, m, ready, end, comm)
+        )
+        PipelineTimeline.finish = lambda t, end, finished=finished: finished.append(end) or finish(t, end)
         batch = next(batches)
         cp |= {len(ranks) for ranks, _ in batch.plan.micro_batches}
         warmups.append(batch.plan.pp_warmup)
-        metrics = trainer.train_step(batch)
+        try:
+            metrics = trainer.train_step(batch)
+        finally:
+            PipelineTimeline.record, PipelineTimeline.finish = record, finish
+        faults += _timeline_faults(records, finished)
         trainer.step += 1
         steps.append({k: metrics[k] for k in ("loss", "grad_norm")})
     batches.close()
@@ -130,6 +156,7 @@ def _run(items: dict, out: str) -> dict:
         "warmups": warmups,
         "stage": trainer.pipeline.stage,
         "val": val,
+        "timeline_faults": faults,
     }
 
 
@@ -172,6 +199,7 @@ def test_pipeline_equals_one_process(world_size, reference, tmp_path):
             assert 2 in out[0][name]["warmups"], f"{where}: warm-ups {out[0][name]['warmups']}"
         params = {}
         for res in out:
+            assert res[name]["timeline_faults"] == [], f"{where}: {res[name]['timeline_faults']}"
             assert res[name]["steps"] == out[0][name]["steps"], f"{where}: ranks logged different steps"
             params.update(res[name]["params"])
         assert sorted({res[name]["stage"] for res in out}) == list(
