@@ -141,7 +141,7 @@ def idle_expert_on_host(trainer, optimizers):
     ``optimizers`` (an ExpertOptimizers) -> ``optimizers``; ValueError where it cannot run."""
     if trainer.cfg.model.idle_expert != "cpu":
         return optimizers
-    if trainer.world_size > 1 or getattr(trainer, "fsdp_mode", "none") != "none":
+    if trainer.world_size > 1 or trainer.fsdp_mode != "none":
         raise ValueError(
             "model.idle_expert=cpu offloads the idle expert on one process only (ranks would have to "
             "agree on it before the gradient reduction; FSDP shards it instead): set "

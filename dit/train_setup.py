@@ -79,7 +79,9 @@ def validation_sigmas(sigmas, expert: tuple[str, float] | None) -> list[float]:
     return kept
 
 
-def build_train_model(cfg: Config, expert: tuple[str, float] | None, compute_dtype: torch.dtype):
+def build_train_model(
+    cfg: Config, expert: tuple[str, float] | None, compute_dtype: torch.dtype, sharded: bool = False
+):
     """The model to train, on the CPU, from ``train.seed``: a VideoDiT, or under model.expert=both an
     ExpertPair; with model.lora a frozen base in ``compute_dtype`` and fp32 adapters, the only
     trainable parameters."""
@@ -89,7 +91,7 @@ def build_train_model(cfg: Config, expert: tuple[str, float] | None, compute_dty
     if cfg.train.fp8:  # the blocks' linears (dit/fp8_train.py); fp8 all-gather when FSDP2 shards them
         from dit.fp8_train import convert_to_fp8
 
-        convert_to_fp8(model, cfg.train.fp8_recipe, cfg.parallel.fsdp in ("per_step", "per_layer"))
+        convert_to_fp8(model, cfg.train.fp8_recipe, fsdp_all_gather=sharded)
     if cfg.model.lora is None:
         return model
     from dit.fp8_base import base_storage_dtype, store_base_in_fp8

@@ -58,6 +58,7 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
 
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
+    fsdp_mode = "none"  # FSDPTrainer's resolved parallel.fsdp (auto too), set before __init__ runs
 
     def __init__(self, cfg: Config, resume: str | None = None, device: torch.device | None = None):
         self.cfg = cfg
@@ -74,7 +75,7 @@ class Trainer:
         check_train_options(cfg, self.expert, self.device)
         self.val_sigmas = validation_sigmas(cfg.flow.val_sigmas, self.expert)
         self.lora = cfg.model.lora is not None
-        model = build_train_model(cfg, self.expert, self.compute_dtype())
+        model = build_train_model(cfg, self.expert, self.compute_dtype(), self.fsdp_mode != "none")
         self.offloaders = offload_model(model, cfg.model, self.device, blocks_to_offload(cfg, model))
         self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)

@@ -180,7 +180,7 @@ def _auto_resume_case(root: str) -> dict:
     extra = {"train.max_steps": 3, "train.checkpoint_every": 2, **DATA[4]}
     cfg = load_config(CONFIG, overrides(f"{root}/auto_resume", **extra))
     trainer = train_distributed(cfg, dist.group.WORLD, resume=f"{root}/killed/checkpoints/step_000002")
-    return {"mode": getattr(trainer, "fsdp_mode", "none"), "step": trainer.step}
+    return {"mode": trainer.fsdp_mode, "step": trainer.step}
 
 
 def killed_worker(rank: int, world_size: int, root: str) -> None:

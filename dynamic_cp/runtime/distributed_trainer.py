@@ -115,9 +115,8 @@ class DistributedTrainer(Trainer):
             (pipe.plan_size, pipe.plan_rank) if pipe else (self.world_size, self.rank)
         )
         self.grad_group = pipe.stage_group if pipe else world
-        fsdp = getattr(self, "fsdp_mode", "none")  # FSDPTrainer resolves its mode before this runs
         # how a step's plan runs and its gradients meet (dynamic_cp/runtime/step_strategies.py)
-        self.strategy = step_strategy(self, fsdp)
+        self.strategy = step_strategy(self, self.fsdp_mode)  # FSDPTrainer resolved it before this runs
         # Same seed on every rank (Trainer seeds before building the model): identical replicas.
         super().__init__(cfg, resume=resume, device=device)
         for opt in self._zero_parts():
@@ -128,7 +127,9 @@ class DistributedTrainer(Trainer):
         # The planner's cost model starts from parallel.hardware and learns from the run
         # (dynamic_cp/runtime/cost_learning.py); plans carry the layouts they were priced with.
         resume_dir = resolve_checkpoint(resume) if resume is not None else None
-        self.learner = build_learner(cfg, self.model.config, world, self.device, self.step, resume_dir, fsdp)
+        self.learner = build_learner(
+            cfg, self.model.config, world, self.device, self.step, resume_dir, self.fsdp_mode
+        )
         self.cost_model = self.learner.prior
         # Only "auto" may pick a 2-D (Ulysses x ring) layout; 'ulysses' and 'ring' force 1-D ones.
         splits = self.cost_model.cp_layout if cfg.parallel.cp_method == "auto" else None

@@ -95,7 +95,7 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
 
 
 def _is_sharded(trainer) -> bool:
-    return getattr(trainer, "fsdp_mode", "none") != "none"  # FSDPTrainer: DTensor weights and moments
+    return trainer.fsdp_mode != "none"  # FSDPTrainer: DTensor weights and moments
 
 
 def _saved_names(trainer) -> list[str]:
