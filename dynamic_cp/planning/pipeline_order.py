@@ -7,8 +7,7 @@ micro-batch sits within the stage's warm-up distance (``Plan.pp_warmup`` x (pp -
 list. Where a rank leaves one CP group for another (a run of micro-batches of one group ends) it
 drains and refills: it idles for the round trip of the run's last micro-batch through the later
 stages, and the next run's first micro-batch fills the stages again. The planner already emits
-each group's micro-batches as one run;
-the order
+each group's micro-batches as one run; the order
 
     1. keeps the runs, and within each run puts the micro-batch with the shortest round trip last
        (the drain) and the next shortest first (the fill), the others rising then falling in size

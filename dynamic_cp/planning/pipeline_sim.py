@@ -168,12 +168,8 @@ def pipeline_ops(plan: Plan, pp: int, schedule: str) -> list[list[tuple[str, int
 
 def _rank_classes(plan: Plan) -> list[int]:
     """Per rank, an id shared by exactly the ranks that run the same micro-batches."""
-    mine: list[list[int]] = [[] for _ in range(plan.world_size)]
-    for m, (ranks, _) in enumerate(plan.micro_batches):
-        for r in ranks:
-            mine[r].append(m)
     ids: dict[tuple[int, ...], int] = {}
-    return [ids.setdefault(tuple(ms), len(ids)) for ms in mine]
+    return [ids.setdefault(tuple(ms), len(ids)) for ms in plan.per_rank()]
 
 
 def simulate_pipeline(
@@ -261,10 +257,7 @@ def order_lower_bound(plan: Plan, costs: StageCosts, schedule: str = "1f1b") -> 
     """No order of ``plan``'s micro-batches (same groups, this ``stage_ops`` schedule) steps faster;
     see the module docstring for the derivation. Barriers only add time, so they are left out."""
     cls = _rank_classes(plan)
-    runs: dict[int, list[int]] = {}  # one rank of each class: its micro-batches
-    for m, (ranks, _) in enumerate(plan.micro_batches):
-        for g in sorted({cls[r] for r in ranks}):
-            runs.setdefault(g, []).append(m)
+    runs = {cls[r]: ms for r, ms in enumerate(plan.per_rank()) if ms}  # one rank of each class: its own
     return max(
         (
             _rank_bound(costs, p, ms, schedule, plan.pp_warmup)
