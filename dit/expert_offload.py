@@ -17,8 +17,15 @@ the host has empty weights and fails loudly. Checkpoints read an offloaded exper
 the optimizer's state (its ``state_dict`` reads them wherever they are).
 
 Both experts are on the device while the model is built, the EMA copied and a checkpoint resumed;
-the first forward sends the idle one away. One process only: ranks would have to agree on the idle
-expert before the gradient reduction, and under FSDP the expert is sharded anyway.
+the first forward sends the idle one away.
+
+On several ranks (replicated weights) the ranks must agree: the gradient all-reduce sums every
+expert's slots on every rank, so an expert that any rank runs this step must be on the device on all
+of them, even on a rank whose micro-batches are all the other expert's. The step's strategy calls
+``plan_step`` with the global plan's experts before the first micro-batch (the same list on every
+rank, ``plan.info["experts"]``); an expert no rank runs goes to the host everywhere, where its empty
+placeholders take empty slots in the reduction. Under FSDP the idle expert is sharded instead
+(16P/W bytes a rank), and ``model.idle_expert=cpu`` is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class IdleExpertHost:
         self._host: dict[str, list[torch.Tensor]] = {}  # an offloaded expert's tensors
         self._states: dict[str, list[tuple[dict, str, torch.Tensor]]] = {}  # its AdamW moments
         self.on_host: set[str] = set()
+        self.step_experts: frozenset[str] = frozenset()  # the experts the running step's plan uses
         self._handles = []
         for name, expert in self.experts.items():
             self._handles.append(expert.register_forward_pre_hook(lambda m, _a, n=name: self._before(m, n)))
@@ -80,10 +88,11 @@ class IdleExpertHost:
             t.grad = None
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)
         states = []
+        optimizer_state = local_state(self.optimizers.parts[name])
         for p in self._trainable(name):
-            for key, value in self.optimizers.parts[name].state.get(p, {}).items():
+            for key, value in optimizer_state.get(p, {}).items():
                 if torch.is_tensor(value) and value.device.type == self.device.type and value.dim() > 0:
-                    states.append((self.optimizers.parts[name].state[p], key, self._copy_to_host(value)))
+                    states.append((optimizer_state[p], key, self._copy_to_host(value)))
         for state, key, host in states:
             state[key] = host
         self._states[name] = states
@@ -101,12 +110,23 @@ class IdleExpertHost:
     def _trainable(self, name: str) -> list[torch.nn.Parameter]:
         return [p for p in self.experts[name].parameters() if p.requires_grad]
 
+    def plan_step(self, experts) -> None:
+        """The step about to run: ``experts`` (its global plan's) on the device, the others on the
+        host, on every rank alike; see the module docstring."""
+        self.step_experts = frozenset(experts)
+        for name in EXPERTS:
+            if name in self.step_experts:
+                self.onload(name)
+            else:
+                self.offload(name)
+
     # ---------------------------------------------------------------- hooks
     def _before(self, module: nn.Module, name: str) -> None:
         if module is not self.experts[name]:  # a copy of the expert (the EMA's deepcopy) carries the hook
             return
         for other in EXPERTS:
-            busy = torch.is_grad_enabled() and any(p.grad is not None for p in self._trainable(other))
+            ran = any(p.grad is not None for p in self._trainable(other))
+            busy = torch.is_grad_enabled() and (ran or other in self.step_experts)
             if other != name and not busy:
                 self.offload(other)
         self.onload(name)
@@ -128,6 +148,12 @@ class IdleExpertHost:
             self.onload(name)
 
 
+def local_state(optimizer) -> dict:
+    """The parameter -> state dict where ``optimizer`` keeps its moments on this rank: ZeRO-1's
+    (``ZeroRedundancyOptimizer``) are in its local optimizer's, for the parameters this rank owns."""
+    return getattr(optimizer, "optim", optimizer).state
+
+
 def _qualified(expert: nn.Module, tensors: list[tuple[nn.Module, str]]) -> list[list[str]]:
     """The state-dict keys (relative to ``expert``) of each (module, attribute) of ``tensors``."""
     where: dict[int, list[str]] = {}
@@ -141,11 +167,11 @@ def idle_expert_on_host(trainer, optimizers):
     ``optimizers`` (an ExpertOptimizers) -> ``optimizers``; ValueError where it cannot run."""
     if trainer.cfg.model.idle_expert != "cpu":
         return optimizers
-    if trainer.world_size > 1 or trainer.fsdp_mode != "none":
+    if trainer.fsdp_mode != "none":
         raise ValueError(
-            "model.idle_expert=cpu offloads the idle expert on one process only (ranks would have to "
-            "agree on it before the gradient reduction; FSDP shards it instead): set "
-            "model.idle_expert=sharded, or train on one process"
+            f"model.idle_expert=cpu moves replicated weights; under parallel.fsdp={trainer.fsdp_mode} "
+            "the idle expert is sharded across the ranks instead: set model.idle_expert=sharded, or "
+            "parallel.fsdp=none"
         )
     trainer.expert_host = IdleExpertHost(trainer.model, optimizers, trainer.device)
     return optimizers

@@ -63,6 +63,14 @@ class ExpertOptimizers:
             opt.load_state_dict(state[n])
 
 
+def expert_optimizers(trainer, build: Callable[[list], torch.optim.Optimizer]) -> ExpertOptimizers:
+    """``trainer``'s ExpertOptimizers; under ``model.idle_expert=cpu`` with the idle expert's
+    states moved to the host between its steps (``dit/expert_offload.py``)."""
+    from dit.expert_offload import idle_expert_on_host
+
+    return idle_expert_on_host(trainer, ExpertOptimizers(trainer.model, build))
+
+
 class ExpertSchedules:
     """One LR schedule per expert; each advances only when its expert stepped."""
 

@@ -59,6 +59,7 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
     fsdp_mode = "none"  # FSDPTrainer's resolved parallel.fsdp (auto too), set before __init__ runs
+    expert_host = None  # model.idle_expert=cpu: the IdleExpertHost (dit/expert_offload.py)
 
     def __init__(self, cfg: Config, resume: str | None = None, device: torch.device | None = None):
         self.cfg = cfg
@@ -112,10 +113,9 @@ class Trainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer over the trainable parameters; under model.expert=both one per expert."""
         if self.both:
-            from dit.expert_offload import idle_expert_on_host  # model.idle_expert=cpu
-            from dit.expert_training import ExpertOptimizers
+            from dit.expert_training import expert_optimizers
 
-            return idle_expert_on_host(self, ExpertOptimizers(self.model, self._optimizer_over))
+            return expert_optimizers(self, self._optimizer_over)
         return self._optimizer_over(self.trainable_parameters())
 
     def _optimizer_over(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -156,32 +156,35 @@ def test_the_ema_copy_does_not_move_the_live_experts(tmp_path):
 
 def test_where_it_cannot_run_it_says_so_in_one_line(tmp_path):
     class Fake:
-        world_size, fsdp_mode = 2, "none"
+        world_size, fsdp_mode = 2, "per_step"
 
         class cfg:  # noqa: N801
             class model:  # noqa: N801
                 idle_expert = "cpu"
 
     with pytest.raises(
-        ValueError, match=r"^model.idle_expert=cpu offloads the idle expert on one process only"
+        ValueError, match=r"^model.idle_expert=cpu moves replicated weights; under parallel.fsdp=per_step"
     ):
         idle_expert_on_host(Fake(), object())
-    Fake.world_size, Fake.fsdp_mode = 1, "per_step"
-    with pytest.raises(ValueError, match="set model.idle_expert=sharded, or train on one process$"):
+    Fake.fsdp_mode = "per_layer"
+    with pytest.raises(ValueError, match="set model.idle_expert=sharded, or parallel.fsdp=none$"):
         idle_expert_on_host(Fake(), object())
     Fake.cfg.model.idle_expert = "sharded"
     marker = object()
     assert idle_expert_on_host(Fake(), marker) is marker
     with pytest.raises(
-        ValueError, match=r"model.idle_expert=cpu with model.compile: .* set model.offload=none"
+        ValueError,
+        match=r"model.idle_expert=cpu with model.compile: .* set model.compile=false, or model.idle_expert=sharded$",
     ):
         _trainer(tmp_path, "cpu", **{"model.compile": "true"})
     assert isinstance(_trainer(tmp_path, "cpu").expert_host, IdleExpertHost)
 
 
-def test_a_lora_run_with_the_idle_expert_on_the_host_equals_one_without(tmp_path):
+@pytest.mark.parametrize("offload", ["none", "blocks"])
+def test_a_lora_run_with_the_idle_expert_on_the_host_equals_one_without(tmp_path, offload):
     """LoRA on both experts (a frozen base, adapters, AdapterEMA): 3 steps and the exported files, bit
-    for bit equal to ``idle_expert=sharded``."""
+    for bit equal to ``idle_expert=sharded``; also with ``model.offload=blocks`` (the 24 GB recipe:
+    the running expert's last blocks stream from the host, the idle expert waits there whole)."""
     from safetensors.torch import load_file
     from test_lora import lora_overrides
     from test_wan22_both import _a14b_folder
@@ -189,7 +192,8 @@ def test_a_lora_run_with_the_idle_expert_on_the_host_equals_one_without(tmp_path
     root = _a14b_folder(tmp_path / "a14b")
     items = {"model.pretrained": str(root), "model.expert": "both", "flow.shift": 5.0, "train.max_steps": 3,
              "train.warmup_steps": 0, "train.checkpoint_every": 2, "train.global_batch_size": 3,
-             "train.sample_every": 0, "data.seed": 2, "train.seed": 2}  # fmt: skip
+             "train.sample_every": 0, "data.seed": 2, "train.seed": 2, "model.offload": offload,
+             "model.offload_blocks": 2, "model.gradient_checkpointing": offload != "none"}  # fmt: skip
     runs = {}
     for idle in ("sharded", "cpu"):
         cfg = load_config(TINY, lora_overrides(tmp_path, idle, **{**items, "model.idle_expert": idle}))
@@ -200,8 +204,17 @@ def test_a_lora_run_with_the_idle_expert_on_the_host_equals_one_without(tmp_path
         # from aligned copies, so that what is compared is the offload alone.
         for t in [*runs[idle].model.parameters(), *runs[idle].model.buffers()]:
             t.data = t.data.clone()
+        if idle == "cpu":  # at each expert's forward: the other one's bytes on the compute device
+            host, seen = runs[idle].expert_host, []
+            for name, other in (("high", "low"), ("low", "high")):
+                hook = lambda _m, _a, _out, o=other, h=host, s=seen: s.append(h.device_bytes(o))  # noqa: E731
+                getattr(runs[idle].model, name).register_forward_hook(hook)
         runs[idle].train()
-    assert runs["cpu"].expert_host.on_host  # the last validation left one expert on the host
+    host = runs["cpu"].expert_host
+    assert host.on_host  # the last validation left one expert on the host
+    assert all(host.device_bytes(n) == 0 for n in host.on_host) and 0 in seen and max(seen) > 0
+    # each expert's block offloader kept at most the running block and the prefetched one
+    assert [o.peak_blocks for o in runs["cpu"].offloaders] == ([2, 2] if offload != "none" else [])
     for folder in ("transformer", "transformer_2"):
         a, b = (
             load_file(str(tmp_path / idle / folder / "pytorch_lora_weights.safetensors")) for idle in runs

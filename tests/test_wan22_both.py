@@ -353,9 +353,27 @@ def test_memory_model_counts_the_idle_expert():
     for mode in ("per_step", "per_layer"):
         one = memory_breakdown("wan-14b", mode, W, 4096, True)
         kept = memory_breakdown("wan-14b", mode, W, 4096, True, experts=2, idle_expert="sharded")
-        off = memory_breakdown("wan-14b", mode, W, 4096, True, experts=2, idle_expert="cpu")
         assert kept.total == pytest.approx(one.total + 16 * P / W), mode
-        assert off.total == pytest.approx(one.total) and off.host == pytest.approx(16 * P / W), mode
+        # the idle expert goes to the host from replicated weights only (dit/expert_offload.py)
+        with pytest.raises(ValueError, match=f"under {mode} the idle expert stays sharded on the GPU: use"):
+            memory_breakdown("wan-14b", mode, W, 4096, True, experts=2, idle_expert="cpu")
+    one = memory_breakdown("wan-14b", "none", W, 4096, True)
+    off = memory_breakdown("wan-14b", "none", W, 4096, True, experts=2, idle_expert="cpu")
+    # fp32 master and gradient, 8 bytes of AdamW moments sharded over W by ZeRO-1 (the default)
+    assert off.total == pytest.approx(one.total) and off.host == pytest.approx(8 * P + 8 * P / W)
+    # with an EMA: the idle expert's fp32 average stays on the GPU (dit/expert_offload.py)
+    off = memory_breakdown("wan-14b", "none", W, 4096, True, ema=True, experts=2, idle_expert="cpu")
+    assert off.idle_expert == pytest.approx(4 * P) and off.host == pytest.approx(8 * P + 8 * P / W)
+    # auto: with the idle expert on the host only replicated weights are tried, and the error says so
+    from dynamic_cp.planning.memory import choose_fsdp_mode
+
+    sharded = choose_fsdp_mode("wan-14b", W, 4096, 80e9, True, experts=2, idle_expert="sharded")
+    assert sharded[0] in ("per_step", "per_layer")
+    with pytest.raises(
+        ValueError, match=r"none: .* \(model.idle_expert=sharded lets auto shard the weights\)$"
+    ):
+        choose_fsdp_mode("wan-14b", W, 4096, 80e9, True, experts=2, idle_expert="cpu")
+    assert choose_fsdp_mode("wan-14b", W, 4096, 1e12, True, experts=2, idle_expert="cpu")[0] == "none"
     lora = memory_breakdown("wan-14b", "lora", W, 4096, True, experts=2)
     assert lora.idle_expert > 2 * P  # a second frozen bf16 base, and its adapters' states
     with pytest.raises(ValueError, match="idle_expert='gpu'; use 'sharded' or 'cpu'"):

@@ -21,7 +21,10 @@ Two experts (Wan2.2 A14B, ``model.expert: both``): one runs at a time (micro-bat
 timestep and per_step gathers one expert at a time), so the running expert costs the table above and
 the idle one its states at rest: ``idle_expert='sharded'`` keeps them on the GPU, 4P + 4P + moments
 (+ 4P EMA) replicated, 16P/W (+ 4P/W) sharded, 2P + 16A (+ 4A) for a LoRA's frozen base and adapters;
-``'cpu'`` moves them to host memory (``host``), leaving the GPU one expert's states.
+``'cpu'`` moves them to host memory (``host``), leaving the GPU one expert's states and the idle
+one's EMA (which checkpoints and samples read whole, ``dit/expert_offload.py``). ``'cpu'`` moves
+replicated states (modes none and lora, ``dit/expert_offload.py``); a sharded mode keeps the idle
+expert sharded on the GPU, so ``auto`` with ``'cpu'`` tries none alone.
 """
 
 from __future__ import annotations
@@ -153,6 +156,11 @@ def memory_breakdown(
         raise ValueError(f"experts={experts}; use 1 or 2 (Wan2.2 A14B's model.expert=both)")
     if idle_expert not in ("sharded", "cpu"):
         raise ValueError(f"idle_expert={idle_expert!r}; use 'sharded' or 'cpu'")
+    if experts == 2 and idle_expert == "cpu" and mode not in ("none", "lora"):
+        raise ValueError(
+            f"idle_expert='cpu' moves replicated states to the host; under {mode} the idle expert stays "
+            "sharded on the GPU: use idle_expert='sharded' (model.idle_expert), or mode none"
+        )
     one = _one_model(model, mode, world_size, tokens, activation_checkpointing, grad_accum_bytes,
                      shard_optimizer, ema, lora_rank, moment_bytes)  # fmt: skip
     if mode == "lora":
@@ -163,16 +171,18 @@ def memory_breakdown(
         return one
     dims = resolve_dims(model)
     P, W = float(dims.num_params), world_size
-    if mode == "lora":
+    if mode == "lora":  # each expert offloads its own blocks: the idle one's are on the host already
         A = float(lora_params(dims, lora_rank))
-        rest = base_bytes * P + 16 * A + (4 * A if ema else 0.0)
+        one = replace(one, offloaded=2 * one.offloaded)
+        base = base_bytes * (P - block_params(dims) * offload_blocks)
+        rest, average = base + 16 * A, 4 * A if ema else 0.0
     elif mode == "none":
-        rest = 4 * P + 4 * P + (8 * P / W if shard_optimizer else 8 * P) + (4 * P if ema else 0.0)
+        rest, average = 4 * P + 4 * P + (8 * P / W if shard_optimizer else 8 * P), 4 * P if ema else 0.0
     else:
-        rest = 16 * P / W + (4 * P / W if ema else 0.0)
-    if idle_expert == "cpu":
-        return replace(one, host=rest)
-    return replace(one, idle_expert=rest)
+        rest, average = 16 * P / W, 4 * P / W if ema else 0.0
+    if idle_expert == "cpu":  # the idle expert's EMA stays on the GPU (saves and samples read it)
+        return replace(one, host=rest, idle_expert=average)
+    return replace(one, idle_expert=rest + average)
 
 
 def _one_model(
@@ -302,7 +312,7 @@ def choose_fsdp_mode(
     bytes per step (an fp32 all-reduce, 8P, against a bf16 gather and an fp32 reduce-scatter, 6P)
     but none needs no sharding bookkeeping, so none, then per_step; per_layer gathers and
     reduce-scatters every layer in every lockstep round, so it comes last. With W = 1 nothing can be
-    sharded and only none is tried. The cap returned is ``token_cap`` when given, else the most the
+    sharded and only none is tried; so too with two experts and ``idle_expert='cpu'``. The cap returned is ``token_cap`` when given, else the most the
     mode leaves; bytes are for that cap.
     """
     if memory_bytes <= 0:
@@ -311,7 +321,8 @@ def choose_fsdp_mode(
         raise ValueError(f"token_cap={token_cap} must be at least 1 token per rank (or None)")
     need = 1 if token_cap is None else token_cap
     tried = []
-    for mode in FSDP_MODES if world_size > 1 else ("none",):
+    on_host = experts == 2 and idle_expert == "cpu"  # replicated weights only (the module docstring)
+    for mode in FSDP_MODES if world_size > 1 and not on_host else ("none",):
         mem = memory_breakdown(
             model,
             mode,
@@ -333,6 +344,7 @@ def choose_fsdp_mode(
         f"no fsdp mode fits {need:,.0f} tokens per rank in {memory_fraction:.0%} of "
         f"{memory_bytes / 1e9:.0f} GB on {world_size} ranks ({'; '.join(tried)}); lower "
         "train.micro_batch_tokens / parallel.cap_tokens, turn on model.gradient_checkpointing, or use more GPUs"
+        + (" (model.idle_expert=sharded lets auto shard the weights)" if on_host and world_size > 1 else "")
     )
 
 

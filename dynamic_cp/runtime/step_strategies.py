@@ -7,7 +7,8 @@ trainer is given one of these strategies (``step_strategy``) and calls it three 
 ``clip`` (the norm of the whole model's gradients).
 
 - ``ReplicatedStep`` (``parallel.fsdp=none``): the micro-batches in plan order, then one flat SUM
-  all-reduce of gradients, loss and timeline together.
+  all-reduce of gradients, loss and timeline together (under model.expert=both, the gradients of
+  the experts the step's plan runs; ``model.idle_expert=cpu`` keeps just those on the device).
 - ``PerStepStep`` (``per_step``): every FSDP unit gathered once, the same micro-batch loop with no
   world collective, then one synced empty pass that reduce-scatters the accumulated gradients.
 - ``PerLayerStep`` (``per_layer``): the plan's lockstep rounds, each a synced forward and backward
@@ -24,6 +25,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from dit.expert_training import expert_parameters
+from dit.flow import EXPERTS
 from dynamic_cp.planning.rounds import lockstep_rounds, rank_round_schedule
 from dynamic_cp.runtime.fsdp import configure, empty_micro_batch_loss, gather_weights, grad_norm_and_clip
 from dynamic_cp.runtime.pipeline import clip_over_stages, empty_received, run_pipeline
@@ -67,8 +70,16 @@ class ReplicatedStep:
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.summed: list[torch.nn.Parameter] = []  # the parameters whose gradients ``reduce`` sums
 
     def run(self, batch, timeline, t0: float) -> float:
+        t = self.trainer
+        self.summed = t.trainable_parameters()
+        if t.both:  # an expert no rank runs has no gradient anywhere: it stays out of the all-reduce
+            ran = set(batch.plan.info["experts"])
+            self.summed = [p for n in EXPERTS if n in ran for p in expert_parameters(t.model, n)]
+            if t.expert_host is not None:  # model.idle_expert=cpu: those experts on every rank
+                t.expert_host.plan_step(ran)
         return self.micro_batches(batch, timeline, t0)
 
     def micro_batches(self, batch, timeline, t0: float, expert: str | None = None) -> float:
@@ -89,9 +100,9 @@ class ReplicatedStep:
         t = self.trainer
         head = _loss_and_extra(local_loss, extra).to(t.device)
         if t.pipeline is None:  # one collective for everything
-            flat = sum_gradients(t.trainable_parameters(), t.world, head)
+            flat = sum_gradients(self.summed, t.world, head)
         else:  # each stage's gradients over its ranks; loss and extra over the world
-            sum_gradients(t.trainable_parameters(), t.grad_group, head[:0])
+            sum_gradients(self.summed, t.grad_group, head[:0])
             flat = self._sum_over_world(head)
         return float(flat[0]), flat[1:]
 
