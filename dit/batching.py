@@ -80,11 +80,22 @@ def step_loader(
     """The trainer's data path: step ``start_step``'s global batch first, then every later step's, as
     lists of samples, loaded (and prefetched) by ``num_workers`` DataLoader workers. Samples may carry
     ``failures`` records from a worker's dataset copy (``data.failures.absorb_worker_failures``)."""
+    sampler = GlobalBatchSampler(indices, batch_size, seed, start_step=start_step)
+    return list_loader(dataset, sampler, num_workers, seed, start_step)
+
+
+def list_loader(dataset, batch_sampler, num_workers: int, seed: int, start_step: int) -> DataLoader:
+    """A DataLoader of ``batch_sampler``'s batches as lists, on ``num_workers`` workers.
+
+    Its workers' base seed comes from the data seed and the first step, not from torch's global
+    generator: an iterator started after a resume restored that generator would otherwise move it
+    one draw on, and the resumed run would not continue exactly where the uninterrupted one is."""
     return DataLoader(
         dataset,
-        batch_sampler=GlobalBatchSampler(indices, batch_size, seed, start_step=start_step),
+        batch_sampler=batch_sampler,
         collate_fn=keep_list,
         num_workers=num_workers,
         prefetch_factor=2 if num_workers else None,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed * 1_000_003 + start_step),
     )

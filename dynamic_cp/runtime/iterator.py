@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from dit.batching import GlobalBatchSampler
+from dit.batching import GlobalBatchSampler, list_loader
 from dit.clips import TrainClip
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.runtime.routing import destinations, route_clips, share_of
@@ -64,10 +64,6 @@ class _ShareSampler:
             batch = self.sampler.batch(step)
             yield [batch[p] for p in share_of(self.rank, self.world_size, len(batch))]
             step += 1
-
-
-def _keep_list(samples: list) -> list:
-    return samples
 
 
 class DynamicCPBatches:
@@ -106,15 +102,8 @@ class DynamicCPBatches:
         self.step = start_step
         self._executor = ThreadPoolExecutor(max_workers=1) if plan_ahead else None
         self._pending: tuple[list[int], Future] | None = None
-        loader = DataLoader(
-            dataset,
-            batch_sampler=_ShareSampler(self.sampler, self.rank, self.world_size, start_step),
-            collate_fn=_keep_list,
-            num_workers=num_workers,
-            prefetch_factor=2 if num_workers else None,
-            persistent_workers=num_workers > 0,
-        )
-        self._samples = iter(loader)
+        share = _ShareSampler(self.sampler, self.rank, self.world_size, start_step)
+        self._samples = iter(list_loader(dataset, share, num_workers, data_seed, start_step))
 
     # ------------------------------------------------------------------------------ lengths, plan
 
