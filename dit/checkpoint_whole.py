@@ -72,20 +72,24 @@ def checkpoint_problem(step_dir: Path) -> str | None:
     if problem:
         return problem
     model = step_dir / "model"
-    if not model.is_dir() or not any(model.glob("*.safetensors")):
+    if not model.is_dir():
         return "model/ holds no safetensors weights"
-    for path in sorted(step_dir.glob("*/*.safetensors")):  # model/, ema/ (one file or shards)
+    # A14B's two experts (model.expert=both) save a diffusers folder: one subfolder per expert
+    for part in sorted(p for p in model.glob("transformer*") if p.is_dir()) or [model]:
+        if not any(part.glob("*.safetensors")):
+            return f"{part.relative_to(step_dir)}/ holds no safetensors weights"
+    for path in sorted(step_dir.rglob("*.safetensors")):  # model/, ema/ (and their experts' folders)
         problem = safetensors_problem(path)
         if problem:
-            return f"{path.parent.name}/{problem}"
-    for index in step_dir.glob("*/*.safetensors.index.json"):
+            return f"{path.parent.relative_to(step_dir)}/{problem}"
+    for index in sorted(step_dir.rglob("*.safetensors.index.json")):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError):
-            return f"{index.parent.name}/{index.name} is unreadable"
+            return f"{index.parent.relative_to(step_dir)}/{index.name} is unreadable"
         missing = sorted(s for s in shards if not (index.parent / s).is_file())
         if missing:
-            return f"{index.parent.name}/{missing[0]} is missing"
+            return f"{index.parent.relative_to(step_dir)}/{missing[0]} is missing"
     sharded = step_dir / "sharded"
     if sharded.is_dir() and not (sharded / ".metadata").is_file():
         return "sharded/.metadata is missing (DCP writes it last: the save did not finish)"
