@@ -77,6 +77,12 @@ def run(args) -> int:
         from dynamic_cp.dry_run import dry_run
 
         return dry_run(cfg, args.world_size if cfg.parallel.mode != "none" else 1)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.parallel.mode == "none" and processes > 1:  # each would train alone into one output_dir
+        raise ValueError(
+            f"parallel.mode=none under torchrun with {processes} processes: each would train the whole "
+            "run alone into the same output_dir; set parallel.mode=dynamic (or static), or run one process"
+        )
     resume = resolve_resume(cfg, args.resume, args.overwrite)
     if cfg.parallel.mode == "none":
         from dit.trainer import Trainer

@@ -79,6 +79,18 @@ def test_train_too_many_broken_files(broken_folder, tmp_path, capfd, caplog):
     assert "video_reader.cc" not in result.stderr  # decord's own C++ lines are dropped
 
 
+def test_train_refuses_one_process_training_under_torchrun(tmp_path, capfd, monkeypatch):
+    """torchrun with the default parallel.mode=none would start WORLD_SIZE independent trainers that
+    write one output_dir (seen: a 3-rank tiny run whose checkpoint writes collided). Planted: the
+    check skipped -> the run starts and this test fails."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    out = str(tmp_path / "run")
+    result = _main("train", ["--config", TINY, f"output_dir={out}", "train.max_steps=1"], capfd)
+    _user_error(result, "parallel.mode=none under torchrun with 3 processes: each would train the whole")
+    assert "set parallel.mode=dynamic (or static), or run one process" in result.stderr
+    assert not Path(out).exists()
+
+
 def test_scan_names_each_broken_file_once(broken_folder, tmp_path):
     folder, broken = broken_folder
     result = _run("-m", "data.scan", str(folder), "--out", str(tmp_path / "m.csv"), "--workers", "2")
