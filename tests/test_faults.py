@@ -271,24 +271,28 @@ def test_nccl_flight_recorder_env_sets_the_dump_and_keeps_the_users_values(tmp_p
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_resume_auto_finds_the_checkpoints_of_both_a14b_experts(tmp_path, capsys, lora):
+@pytest.mark.parametrize(("lora", "idle"), [(False, "cpu"), (True, "sharded")])
+def test_resume_auto_finds_the_checkpoints_of_both_a14b_experts(tmp_path, capsys, lora, idle):
     """model.expert=both saves a diffusers folder, one subfolder per expert (model/transformer,
     model/transformer_2; LoRA: their adapter files), which ``--resume auto`` once took for "no
-    weights" and restarted from step 0. Step 3's second expert truncated: the resume skips step 3
-    naming that file, continues from step 2 and logs step 3 bitwise as the uninterrupted run.
+    weights" and restarted from step 0. Step 4's folder gone and step 3's second expert truncated:
+    the resume skips step 3 naming that file, continues from step 2 and logs steps 3 and 4 bitwise
+    as the uninterrupted run (step 4's loss reads step 3's update, made with the restored AdamW
+    moments); the full run keeps its idle expert on the host (model.idle_expert=cpu) throughout.
     Planted: the old check of model/*.safetensors alone -> "starting fresh", and this test fails."""
-    items = {**STEPS, "train.max_steps": 3, "model.expert": "both", "model.boundary_ratio": 0.875,
-             "train.global_batch_size": 4, **({"model.lora": "{}"} if lora else {})}  # fmt: skip
+    items = {**STEPS, "model.expert": "both", "model.boundary_ratio": 0.875,
+             "train.global_batch_size": 4, "model.idle_expert": idle,
+             **({"model.lora": "{}"} if lora else {})}  # fmt: skip
     argv = ["--config", TINY, *tiny_overrides(tmp_path, **items), "--resume", "auto"]
     assert train.main(argv) == 0
     run = tmp_path / "run"
     want = _losses(run)
     name = "pytorch_lora_weights" if lora else "diffusion_pytorch_model"
+    shutil.rmtree(run / "checkpoints" / "step_000004")
     _truncate(run / "checkpoints" / "step_000003" / "model" / "transformer_2" / f"{name}.safetensors")
     capsys.readouterr()
     assert train.main(argv) == 0
     out = capsys.readouterr().out
     assert f"model/transformer_2/{name}.safetensors is truncated" in out, out
     assert "resumed from" in out and "step_000002 at step 2" in out, out
-    assert [r["step"] for r in _rows(run) if "loss" in r] == [1, 2, 3] and _losses(run) == want
+    assert [r["step"] for r in _rows(run) if "loss" in r] == [1, 2, 3, 4] and _losses(run) == want
