@@ -1,6 +1,7 @@
 """``model.idle_expert: cpu``: under ``model.expert: both`` the expert a step does not run waits in
-host memory, its weights, buffers and AdamW moments, as ``--dry-run`` prices it
-(``dynamic_cp/planning/memory.py``).
+host memory, as ``--dry-run`` prices it (``dynamic_cp/planning/memory.py``): in full training its
+weights, buffers and AdamW moments; under LoRA its frozen base (the adapters, their moments and
+their EMA stay on the device, a few percent of the base, as ``dit/block_offload.py`` keeps them).
 
 A forward pre-hook on each expert brings it to the device (if it is on the host) and sends the
 other one to the host unless that one still has a part in this step: it ran earlier in it (its
@@ -16,15 +17,17 @@ the host has empty weights and fails loudly. Checkpoints read an offloaded exper
 (a ``state_dict`` post-hook), so saving brings nothing back. The AdamW moments move as tensors in
 the optimizer's state (its ``state_dict`` reads them wherever they are).
 
-Both experts are on the device while the model is built, the EMA copied and a checkpoint resumed;
-the first forward sends the idle one away.
+Under LoRA the low expert's base goes to the host while the model is still on the CPU, before it
+moves to the device (``idle_expert_host``), so the device never holds both bases. In full training
+both experts are on the device while the model is built, the EMA copied and a checkpoint resumed
+(those need both whole); the first forward sends the idle one away.
 
 On several ranks (replicated weights) the ranks must agree: the gradient all-reduce sums every
 expert's slots on every rank, so an expert that any rank runs this step must be on the device on all
 of them, even on a rank whose micro-batches are all the other expert's. The step's strategy calls
 ``plan_step`` with the global plan's experts before the first micro-batch (the same list on every
-rank, ``plan.info["experts"]``); an expert no rank runs goes to the host everywhere, where its empty
-placeholders take empty slots in the reduction. Under FSDP the idle expert is sharded instead
+rank, ``plan.info["experts"]``); an expert no rank runs goes to the host everywhere and is left
+out of the step's reduction. Under FSDP the idle expert is sharded instead
 (16P/W bytes a rank), and ``model.idle_expert=cpu`` is refused.
 """
 
@@ -41,12 +44,13 @@ class IdleExpertHost:
     """Moves ``pair.high`` / ``pair.low`` (and their ``optimizers.parts[name]`` states) between
     ``device`` and host memory around their forwards; see the module docstring."""
 
-    def __init__(self, pair: nn.Module, optimizers, device: torch.device | str):
+    def __init__(self, pair: nn.Module, optimizers, device: torch.device | str, trainable: bool = True):
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.experts = {n: getattr(pair, n) for n in EXPERTS}
-        self.optimizers = optimizers
-        self._tensors = {n: frozen_tensors(e, trainable=True) for n, e in self.experts.items()}
+        self.optimizers = optimizers  # None: no AdamW moments to move (LoRA's stay with the adapters)
+        self.trainable = trainable  # the trainable tensors move too (full training), or stay (LoRA)
+        self._tensors = {n: frozen_tensors(e, trainable) for n, e in self.experts.items()}
         self._names = {n: _qualified(e, self._tensors[n]) for n, e in self.experts.items()}
         self._host: dict[str, list[torch.Tensor]] = {}  # an offloaded expert's tensors
         self._states: dict[str, list[tuple[dict, str, torch.Tensor]]] = {}  # its AdamW moments
@@ -88,7 +92,8 @@ class IdleExpertHost:
             t.grad = None
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)
         states = []
-        optimizer_state = local_state(self.optimizers.parts[name])
+        moving = self.trainable and self.optimizers is not None
+        optimizer_state = local_state(self.optimizers.parts[name]) if moving else {}
         for p in self._trainable(name):
             for key, value in optimizer_state.get(p, {}).items():
                 if torch.is_tensor(value) and value.device.type == self.device.type and value.dim() > 0:
@@ -162,16 +167,32 @@ def _qualified(expert: nn.Module, tensors: list[tuple[nn.Module, str]]) -> list[
     return [[f"{n}.{a}" if n else a for n in where[id(m)]] for m, a in tensors]
 
 
-def idle_expert_on_host(trainer, optimizers):
-    """``model.idle_expert=cpu``: install ``IdleExpertHost`` on ``trainer``'s ExpertPair and its
-    ``optimizers`` (an ExpertOptimizers) -> ``optimizers``; ValueError where it cannot run."""
-    if trainer.cfg.model.idle_expert != "cpu":
-        return optimizers
+def idle_expert_host(trainer, model: nn.Module) -> IdleExpertHost | None:
+    """``model.idle_expert=cpu``: an ``IdleExpertHost`` on ``model`` (an ExpertPair still on the CPU)
+    for ``trainer``, or None; ValueError where it cannot run.
+
+    Under LoRA only the frozen base moves (the adapters, their moments and their EMA stay on the
+    device, as ``dit/block_offload.py`` keeps them), and the low expert's base goes to the host
+    here, before the model moves to the device: the GPU never holds both bases, which a 24 GB card
+    running A14B in fp8 could not. Full training moves every tensor and the moments, from the first
+    forward on: the EMA's copy and a resume need both experts whole."""
+    if trainer.cfg.model.idle_expert != "cpu" or not trainer.both:
+        return None
     if trainer.fsdp_mode != "none":
         raise ValueError(
             f"model.idle_expert=cpu moves replicated weights; under parallel.fsdp={trainer.fsdp_mode} "
             "the idle expert is sharded across the ranks instead: set model.idle_expert=sharded, or "
             "parallel.fsdp=none"
         )
-    trainer.expert_host = IdleExpertHost(trainer.model, optimizers, trainer.device)
+    host = IdleExpertHost(model, None, trainer.device, trainable=not trainer.lora)
+    if trainer.lora:
+        host.offload("low")
+    return host
+
+
+def idle_expert_on_host(trainer, optimizers):
+    """``trainer``'s ``optimizers`` (an ExpertOptimizers), handed to its IdleExpertHost if it has one
+    (full training moves their moments with the experts) -> ``optimizers``."""
+    if trainer.expert_host is not None:
+        trainer.expert_host.optimizers = optimizers
     return optimizers

@@ -30,6 +30,8 @@ from dit.compile import compile_blocks
 from dit.config import Config, to_dict
 from dit.device_memory import bar_text, peak_memory, reset_peak
 from dit.ema import EMA, AdapterEMA
+from dit.expert_offload import idle_expert_host
+from dit.expert_training import expert_optimizers
 from dit.flops import train_step_flops
 from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
@@ -59,7 +61,6 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
 class Trainer:
     rank, world_size, is_main = 0, 1, True  # the distributed runtime's subclass sets its own
     fsdp_mode = "none"  # FSDPTrainer's resolved parallel.fsdp (auto too), set before __init__ runs
-    expert_host = None  # model.idle_expert=cpu: the IdleExpertHost (dit/expert_offload.py)
 
     def __init__(self, cfg: Config, resume: str | None = None, device: torch.device | None = None):
         self.cfg = cfg
@@ -78,6 +79,7 @@ class Trainer:
         self.lora = cfg.model.lora is not None
         model = build_train_model(cfg, self.expert, self.compute_dtype(), self.fsdp_mode != "none")
         self.offloaders = offload_model(model, cfg.model, self.device, blocks_to_offload(cfg, model))
+        self.expert_host = idle_expert_host(self, model)  # model.idle_expert=cpu, dit/expert_offload.py
         self.model: VideoDiT = model.to(self.device)
         self.patch = tuple(self.model.config.patch_size)
         self.train_set, self.train_indices, self.val_set, self.val_indices, self.encoder = build_train_data(
@@ -113,8 +115,6 @@ class Trainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """The run's optimizer over the trainable parameters; under model.expert=both one per expert."""
         if self.both:
-            from dit.expert_training import expert_optimizers
-
             return expert_optimizers(self, self._optimizer_over)
         return self._optimizer_over(self.trainable_parameters())
 

@@ -25,7 +25,7 @@ from conftest import tiny_overrides
 from torch import nn
 
 from dit.config import load_config
-from dit.expert_offload import IdleExpertHost, idle_expert_on_host
+from dit.expert_offload import IdleExpertHost, idle_expert_host
 from dit.trainer import Trainer
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -156,7 +156,7 @@ def test_the_ema_copy_does_not_move_the_live_experts(tmp_path):
 
 def test_where_it_cannot_run_it_says_so_in_one_line(tmp_path):
     class Fake:
-        world_size, fsdp_mode = 2, "per_step"
+        world_size, fsdp_mode, both, lora = 2, "per_step", True, False
 
         class cfg:  # noqa: N801
             class model:  # noqa: N801
@@ -165,13 +165,12 @@ def test_where_it_cannot_run_it_says_so_in_one_line(tmp_path):
     with pytest.raises(
         ValueError, match=r"^model.idle_expert=cpu moves replicated weights; under parallel.fsdp=per_step"
     ):
-        idle_expert_on_host(Fake(), object())
+        idle_expert_host(Fake(), None)
     Fake.fsdp_mode = "per_layer"
     with pytest.raises(ValueError, match="set model.idle_expert=sharded, or parallel.fsdp=none$"):
-        idle_expert_on_host(Fake(), object())
+        idle_expert_host(Fake(), None)
     Fake.cfg.model.idle_expert = "sharded"
-    marker = object()
-    assert idle_expert_on_host(Fake(), marker) is marker
+    assert idle_expert_host(Fake(), None) is None
     with pytest.raises(
         ValueError,
         match=r"model.idle_expert=cpu with model.compile: .* set model.compile=false, or model.idle_expert=sharded$",
@@ -198,6 +197,10 @@ def test_a_lora_run_with_the_idle_expert_on_the_host_equals_one_without(tmp_path
     for idle in ("sharded", "cpu"):
         cfg = load_config(TINY, lora_overrides(tmp_path, idle, **{**items, "model.idle_expert": idle}))
         runs[idle] = Trainer(cfg, device=torch.device("cpu"))
+        if idle == "cpu":  # LoRA: the low expert's frozen base went to the host before the model moved
+            host = runs[idle].expert_host
+            assert host.on_host == {"low"} and host.device_bytes("low") == 0 and not host.trainable
+            assert all(p.numel() > 0 for p in runs[idle].model.low.parameters() if p.requires_grad)
         # Weights read from safetensors are views at odd addresses, and CPU matmul kernels can round
         # an unaligned operand's sums in another order (a last-bit difference, constraints.txt's
         # note); an expert that comes back from the host is a fresh, aligned copy. Both runs start

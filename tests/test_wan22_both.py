@@ -376,5 +376,12 @@ def test_memory_model_counts_the_idle_expert():
     assert choose_fsdp_mode("wan-14b", W, 4096, 1e12, True, experts=2, idle_expert="cpu")[0] == "none"
     lora = memory_breakdown("wan-14b", "lora", W, 4096, True, experts=2)
     assert lora.idle_expert > 2 * P  # a second frozen bf16 base, and its adapters' states
+    # idle_expert='cpu' under LoRA: the frozen base moves, the adapters and their moments stay
+    from dynamic_cp.planning.memory import lora_params
+
+    A = float(lora_params(resolve_dims("wan-14b"), 16))
+    off = memory_breakdown("wan-14b", "lora", W, 4096, True, experts=2, idle_expert="cpu")
+    assert off.host == pytest.approx(2 * P) and off.idle_expert == pytest.approx(16 * A)
+    assert off.idle_expert + off.host == pytest.approx(lora.idle_expert)
     with pytest.raises(ValueError, match="idle_expert='gpu'; use 'sharded' or 'cpu'"):
         memory_breakdown("wan-14b", "per_layer", W, experts=2, idle_expert="gpu")

@@ -22,7 +22,8 @@ timestep and per_step gathers one expert at a time), so the running expert costs
 the idle one its states at rest: ``idle_expert='sharded'`` keeps them on the GPU, 4P + 4P + moments
 (+ 4P EMA) replicated, 16P/W (+ 4P/W) sharded, 2P + 16A (+ 4A) for a LoRA's frozen base and adapters;
 ``'cpu'`` moves them to host memory (``host``), leaving the GPU one expert's states and the idle
-one's EMA (which checkpoints and samples read whole, ``dit/expert_offload.py``). ``'cpu'`` moves
+one's EMA (which checkpoints and samples read whole, ``dit/expert_offload.py``); under LoRA only the
+frozen base moves, the adapters and their moments (16A) staying on the GPU. ``'cpu'`` moves
 replicated states (modes none and lora, ``dit/expert_offload.py``); a sharded mode keeps the idle
 expert sharded on the GPU, so ``auto`` with ``'cpu'`` tries none alone.
 """
@@ -171,18 +172,22 @@ def memory_breakdown(
         return one
     dims = resolve_dims(model)
     P, W = float(dims.num_params), world_size
+    # (what moves to the host under idle_expert='cpu', what stays on the GPU): the EMA stays (saves
+    # and samples read it whole), and under LoRA the adapters with their moments stay too
     if mode == "lora":  # each expert offloads its own blocks: the idle one's are on the host already
         A = float(lora_params(dims, lora_rank))
         one = replace(one, offloaded=2 * one.offloaded)
-        base = base_bytes * (P - block_params(dims) * offload_blocks)
-        rest, average = base + 16 * A, 4 * A if ema else 0.0
+        moves, stays = (
+            base_bytes * (P - block_params(dims) * offload_blocks),
+            16 * A + (4 * A if ema else 0.0),
+        )
     elif mode == "none":
-        rest, average = 4 * P + 4 * P + (8 * P / W if shard_optimizer else 8 * P), 4 * P if ema else 0.0
+        moves, stays = 4 * P + 4 * P + (8 * P / W if shard_optimizer else 8 * P), 4 * P if ema else 0.0
     else:
-        rest, average = 16 * P / W, 4 * P / W if ema else 0.0
-    if idle_expert == "cpu":  # the idle expert's EMA stays on the GPU (saves and samples read it)
-        return replace(one, host=rest, idle_expert=average)
-    return replace(one, idle_expert=rest + average)
+        moves, stays = 16 * P / W, 4 * P / W if ema else 0.0
+    if idle_expert == "cpu":
+        return replace(one, host=moves, idle_expert=stays)
+    return replace(one, idle_expert=moves + stays)
 
 
 def _one_model(
