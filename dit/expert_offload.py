@@ -188,11 +188,3 @@ def idle_expert_host(trainer, model: nn.Module) -> IdleExpertHost | None:
     if trainer.lora:
         host.offload("low")
     return host
-
-
-def idle_expert_on_host(trainer, optimizers):
-    """``trainer``'s ``optimizers`` (an ExpertOptimizers), handed to its IdleExpertHost if it has one
-    (full training moves their moments with the experts) -> ``optimizers``."""
-    if trainer.expert_host is not None:
-        trainer.expert_host.optimizers = optimizers
-    return optimizers

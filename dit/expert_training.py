@@ -64,11 +64,12 @@ class ExpertOptimizers:
 
 
 def expert_optimizers(trainer, build: Callable[[list], torch.optim.Optimizer]) -> ExpertOptimizers:
-    """``trainer``'s ExpertOptimizers; under ``model.idle_expert=cpu`` with the idle expert's
-    states moved to the host between its steps (``dit/expert_offload.py``)."""
-    from dit.expert_offload import idle_expert_on_host
-
-    return idle_expert_on_host(trainer, ExpertOptimizers(trainer.model, build))
+    """``trainer``'s ExpertOptimizers, handed to its IdleExpertHost if it has one
+    (``model.idle_expert=cpu``: full training moves their moments with the experts)."""
+    optimizers = ExpertOptimizers(trainer.model, build)
+    if trainer.expert_host is not None:
+        trainer.expert_host.optimizers = optimizers
+    return optimizers
 
 
 class ExpertSchedules:

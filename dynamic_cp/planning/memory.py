@@ -317,8 +317,8 @@ def choose_fsdp_mode(
     bytes per step (an fp32 all-reduce, 8P, against a bf16 gather and an fp32 reduce-scatter, 6P)
     but none needs no sharding bookkeeping, so none, then per_step; per_layer gathers and
     reduce-scatters every layer in every lockstep round, so it comes last. With W = 1 nothing can be
-    sharded and only none is tried; so too with two experts and ``idle_expert='cpu'``. The cap returned is ``token_cap`` when given, else the most the
-    mode leaves; bytes are for that cap.
+    sharded and only none is tried; so too with two experts and ``idle_expert='cpu'``. The cap
+    returned is ``token_cap`` when given, else the most the mode leaves; bytes are for that cap.
     """
     if memory_bytes <= 0:
         raise ValueError(f"memory_bytes={memory_bytes} must be positive")
