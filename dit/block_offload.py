@@ -8,6 +8,10 @@ a block's forward, so the same hooks bring it back then, prefetching in reverse 
 once the block before it is recomputed (its backward is done by then). At most two offloaded blocks,
 the running one and the prefetched one, are on the device at any time.
 
+Only the stream and its events are CUDA's (``_side_stream``, and the wait in ``_ensure``): which block
+is copied in, prefetched or freed, and when, is decided the same way on every device, so the tests run
+it on the CPU, where each copy is a real one of its own and done when it returns.
+
 Trainable tensors (the adapters) stay where they are: their gradients and AdamW moments live on the
 device, and they are a few percent of the base.
 
@@ -25,6 +29,8 @@ fails loudly rather than computing with stale values.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -59,6 +65,12 @@ def frozen_tensors(block: nn.Module, trainable: bool = False) -> list[tuple[nn.M
                 found.append((module, name))
         found += [(module, name) for name, b in module._buffers.items() if b is not None]
     return found
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of host tensor ``t`` on ``device``, of its own even on the CPU (as a GPU's would be),
+    queued on the current stream without the host waiting (``t`` pinned, on CUDA)."""
+    return t.to(device, non_blocking=True, copy=True)
 
 
 class BlockOffloader:
@@ -104,17 +116,25 @@ class BlockOffloader:
         return sum(getattr(m, name).nbytes for ts in self._tensors.values() for m, name in ts)
 
     # ---------------------------------------------------------------- moves
+    @contextmanager
+    def _side_stream(self, i: int):
+        """The CUDA part of a prefetch: the enclosed copies run on the side stream, after the compute
+        stream's work so far, and an event marks their end (``_ensure`` makes compute wait for it).
+        Without a stream (the CPU) the copies are done when they return: nothing to wait for."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+            self._events[i] = torch.cuda.Event()
+            self._events[i].record(self.stream)
+
     def _onload(self, i: int) -> None:
         if i in self._resident:
             return
-        if self.stream is not None:  # copied on the side stream; _ensure makes the compute stream wait
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                copies = [h.to(self.device, non_blocking=True) for h in self._host[i]]
-                self._events[i] = torch.cuda.Event()
-                self._events[i].record(self.stream)
-        else:
-            copies = [h.clone() for h in self._host[i]]  # a copy of its own, as a GPU's would be
+        with self._side_stream(i):
+            copies = [_to_device(h, self.device) for h in self._host[i]]
         for (m, name), copy in zip(self._tensors[i], copies):
             getattr(m, name).data = copy
         self._resident.add(i)
@@ -174,17 +194,17 @@ class BlockOffloader:
 
 
 def _block_on_device(block: nn.Module, device: torch.device, x_host: torch.Tensor, *rest):
-    return block(x_host.to(device, non_blocking=True), *rest)
+    return block(_to_device(x_host, device), *rest)
 
 
 def checkpoint_on_host(block: nn.Module, x: torch.Tensor, *rest):
     """Gradient checkpointing of one block whose saved input, (n, D), waits in host memory.
 
-    The copy to the host is differentiable (its gradient comes back to ``x``'s device), and the
-    recompute copies the input in again before running the block."""
-    if x.device.type == "cpu":
-        return checkpoint(block, x, *rest, use_reentrant=False)
-    x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+    The copy to the host (pinned off the CPU) is differentiable (its gradient comes back to ``x``'s
+    device), and the recompute copies the input in again before running the block. On the CPU the
+    host copy is a copy all the same: the backward never reads ``x``'s memory."""
+    pinned = x.device.type != "cpu"
+    x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pinned).copy_(x, non_blocking=True)
     return checkpoint(_block_on_device, block, x.device, x_host, *rest, use_reentrant=False)
 
 

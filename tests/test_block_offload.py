@@ -8,7 +8,10 @@ fails, which is what a GPU would do with weights it never received.
 
 Plants seen to fail: ``_before`` not bringing a block back for its recompute in backward (every
 training test: the recompute finds empty weights); ``_after`` keeping each block after its forward
-(the residency test); the trainer not installing the offloader (the run test).
+(the residency test); the trainer not installing the offloader (the run test); the copy in
+sharing the host's memory (``h.to(device)`` without ``copy=True``: the own-copy test); the placeholder
+made on the host instead of ``device`` (the placeholder test); ``checkpoint_on_host`` keeping ``x``
+itself or dropping its dtype (the bf16 host-copy test).
 """
 
 from __future__ import annotations
@@ -101,6 +104,86 @@ def test_checkpoint_on_host_matches_the_plain_checkpoint_on_cpu():
     want, want_grads = _step(plain)
     got, got_grads = _step(hosted)
     assert torch.equal(got, want) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+def test_checkpoint_on_host_keeps_the_dtype_and_never_reads_the_input_again():
+    """A bf16 block: output and gradients bitwise equal to the plain checkpoint, and the backward is
+    unchanged when ``x``'s memory is overwritten after the forward (on a GPU, freed and reused): the
+    recompute reads its own host copy, of ``x``'s dtype."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    block = block.to(torch.bfloat16)
+    x0 = torch.randn(5, 8, dtype=torch.bfloat16)
+
+    def run(fn, overwrite: bool):
+        block.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        y = fn(block, x)
+        if overwrite:
+            x.data.fill_(float("nan"))
+        y.float().square().sum().backward()
+        return y.detach(), [p.grad.clone() for p in block.parameters()]
+
+    want, want_grads = run(lambda b, x: torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False), False)
+    got, got_grads = run(checkpoint_on_host, True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads, strict=True))
+
+
+def test_a_resident_block_is_a_copy_of_its_own_and_the_host_copy_stays_intact():
+    """What the device does with a block's weights while they are in never reaches the host copy:
+    overwrite every resident copy after a step, and the next step is bitwise the same."""
+    from dit.block_offload import frozen_tensors
+
+    model = _lora_model(fp8=False)
+    BlockOffloader(model.blocks, "cpu", 2, lambda: True)
+    resident = []
+    for b in model.blocks:  # after the offloader's own hook: the tensors the block runs with
+        b.register_forward_pre_hook(
+            lambda m, _a: resident.extend(getattr(t, n).data for t, n in frozen_tensors(m))
+        )
+    first, _ = _step(model, grad=False)
+    assert len(resident) == 2 * len(frozen_tensors(model.blocks[0]))
+    for t in resident:
+        t.fill_(float("nan")) if t.is_floating_point() else t.fill_(7)
+    again, _ = _step(model, grad=False)
+    assert torch.equal(again, first)
+
+
+def test_placeholders_live_on_the_compute_device_and_remove_brings_the_blocks_back():
+    """The offloaded tensors' placeholders are empty tensors of their dtype on ``device``, and
+    ``remove()`` copies every block to ``device`` for good. On a model on ``meta`` (a device that is
+    not the host: a placeholder made on the CPU cannot stand in for its tensor there), shapes and
+    dtypes; on the CPU, the host's values, and a training step then leaves them all in."""
+    from dit.block_offload import frozen_tensors
+
+    model = _lora_model(fp8=True)
+    meta = copy.deepcopy(model).to("meta")
+    tensors = [(m, n) for b in meta.blocks for m, n in frozen_tensors(b)]
+    shapes = [(getattr(m, n).shape, getattr(m, n).dtype) for m, n in tensors]
+    off = BlockOffloader(meta.blocks, "meta", 2, lambda: True)
+    for (m, n), (_, dtype) in zip(tensors, shapes, strict=True):
+        t = getattr(m, n)
+        assert t.device.type == "meta" and t.numel() == 0 and t.dtype == dtype, n
+    off.remove()
+    assert off.swapped == set()
+    assert [(getattr(m, n).shape, getattr(m, n).dtype) for m, n in tensors] == shapes
+    assert all(getattr(m, n).device.type == "meta" for m, n in tensors)
+
+    plain = copy.deepcopy(model)
+    off = BlockOffloader(model.blocks, "cpu", 2, lambda: True)
+    _step(model)
+    off.remove()
+    assert off.device_bytes() == off.host_bytes() > 0
+    for (_, t), (_, want) in zip(
+        [*model.blocks.named_buffers(), *model.blocks.named_parameters()],
+        [*plain.blocks.named_buffers(), *plain.blocks.named_parameters()],
+        strict=True,
+    ):
+        if not want.requires_grad:
+            assert torch.equal(t, want)
+    _step(model)  # no hooks left: nothing is released
+    assert off.device_bytes() == off.host_bytes() and off.peak_blocks == 2
 
 
 def test_bad_offload_settings_are_one_line():
