@@ -16,7 +16,8 @@ DiT over all ranks with training's FSDP2 (per_layer; auto: when replicated weigh
 diffusers-format Wan LoRA (ours, diffusers', finetrainers', DiffSynth-Studio's), scaled by
 ``--lora-scale``; a LoRA run's own checkpoint loads its base and adapters by itself. On one process
 ``--base-dtype fp8_scaled`` stores the blocks' weights in fp8 and ``--offload blocks`` keeps them in host
-memory, as a run with ``model.base_dtype`` and ``model.offload`` trained (and samples, by default).
+memory, as a run with ``model.base_dtype`` and ``model.offload`` trained (and samples, by default);
+``--idle-expert cpu`` keeps a Wan2.2 A14B model's expert not running there too.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         help="how many blocks --offload keeps on the host (default: all)",
     )
     parser.add_argument(
+        "--idle-expert",
+        choices=("auto", "cpu", "device"),
+        default="auto",
+        help="of a two-expert (Wan2.2 A14B) model: keep the expert not running in host memory (cpu) or "
+        "on the device (device); auto: cpu when the run trained with model.idle_expert=cpu, else device",
+    )
+    parser.add_argument(
         "--hardware",
         default=None,
         help="cost-model profile for the planner (default: h100 on GPU, cpu-like on CPU)",
@@ -162,20 +170,20 @@ def run(args) -> int:
 
     from dit.sample_output import check_writable, output_path, remove_partials
     from dit.sample_requests import build_queue
-    from dit.sampler_setup import load_checkpoint_sampler, load_pretrained_sampler
+    from dit.sampler_setup import LOWMEM_DEFAULTS, load_checkpoint_sampler, load_pretrained_sampler
     from dit.sampling import check_requests, sample_queue
     from dit.trainer import autocast_dtype
 
     requests = build_queue(args.prompt, args.prompts_file, request_defaults(args))
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    lowmem = (args.base_dtype, args.offload, args.offload_blocks)
-    if distributed and lowmem != ("auto", "auto", None):
+    lowmem = (args.base_dtype, args.offload, args.offload_blocks, args.idle_expert)
+    if distributed and lowmem != LOWMEM_DEFAULTS:
         raise ValueError(
-            "--base-dtype/--offload/--offload-blocks sample on one process; under torchrun drop them "
-            "(and shard the weights with --fsdp per_layer)"
+            "--base-dtype/--offload/--offload-blocks/--idle-expert sample on one process; under torchrun "
+            "drop them (and shard the weights with --fsdp per_layer)"
         )
     if distributed:  # a run trained with fp8 or offload samples with its DiT's dtype here
-        lowmem = ("precision", "none", None)
+        lowmem = ("precision", "none", None, "device")
     if distributed:
         from dynamic_cp.runtime.sampling import sampling_world
 

@@ -24,6 +24,7 @@ class Sampler:
     image_encoder: object | None = None  # CLIP image tokens: image-to-video models with image_dim
     base_dtype: str = "precision"  # --base-dtype as applied: fp8_e4m3, fp8_scaled, or the DiT's dtype
     offloaders: list = field(default_factory=list)  # --offload: one BlockOffloader per VideoDiT
+    idle_host: object | None = None  # --idle-expert cpu: the IdleExpertHost of a two-expert model
 
     @property
     def offload_blocks(self) -> int:
@@ -31,16 +32,45 @@ class Sampler:
         return len(self.offloaders[0].swapped) if self.offloaders else 0
 
 
-def resolve_lowmem(model_cfg, base_dtype: str, offload: str) -> tuple[str, str]:
-    """``--base-dtype`` and ``--offload`` ``auto`` -> what the run trained with (``model_cfg``: its
-    ``model.base_dtype``, fp8 or not, and ``model.offload``, blocks or not), or for a ``--pretrained``
-    folder (``model_cfg`` None) the DiT's own dtype and no offload."""
+LOWMEM_DEFAULTS = ("auto", "auto", None, "auto")  # --base-dtype, --offload, --offload-blocks, --idle-expert
+
+
+def resolve_lowmem(
+    model_cfg, base_dtype: str, offload: str, idle_expert: str = "auto"
+) -> tuple[str, str, str]:
+    """``--base-dtype``, ``--offload`` and ``--idle-expert`` ``auto`` -> what the run trained with
+    (``model_cfg``: its ``model.base_dtype``, fp8 or not, ``model.offload``, blocks or not, and
+    ``model.idle_expert``, cpu or not, under ``model.expert=both``), or for a ``--pretrained`` folder (``model_cfg`` None) the
+    DiT's own dtype, no offload and both experts on the device."""
     if base_dtype == "auto":
         run = "auto" if model_cfg is None else model_cfg.base_dtype
         base_dtype = run if run.startswith("fp8") else "precision"
     if offload == "auto":
         offload = "none" if model_cfg is None or model_cfg.offload == "none" else "blocks"
-    return base_dtype, offload
+    if idle_expert == "auto":
+        trained = model_cfg is not None and model_cfg.expert == "both" and model_cfg.idle_expert == "cpu"
+        idle_expert = "cpu" if trained else "device"
+    return base_dtype, offload, idle_expert
+
+
+def idle_expert_for_sampling(model, idle_expert: str, device):
+    """``--idle-expert cpu`` on a sampling model still on the CPU: an ``IdleExpertHost`` that keeps
+    the expert not running in host memory (the low one there from the start, so the device never
+    holds both), as musubi-tuner's ``--offload_inactive_dit``; None with ``device``. Sampling is
+    forward-only, so each expert's pre-hook sends the other away (``dit/expert_offload.py``), and a
+    request moves each expert in once: its high-noise steps come first, then its low-noise ones."""
+    if idle_expert == "device":
+        return None
+    if getattr(model, "boundary_ratio", None) is None:
+        raise ValueError(
+            "--idle-expert cpu: this model has one transformer, no idle expert to move; it applies to a "
+            "two-expert (Wan2.2 A14B) model; drop it, or use --offload blocks"
+        )
+    from dit.expert_offload import IdleExpertHost
+
+    host = IdleExpertHost(model, None, device)
+    host.offload("low")
+    return host
 
 
 def store_for_sampling(model, base_dtype: str, offload: str, offload_blocks: int | None, device, dtype):
@@ -74,12 +104,13 @@ def load_checkpoint_sampler(
     device,
     model_device=None,
     dtype: torch.dtype = torch.float32,
-    lowmem: tuple[str, str, int | None] = ("precision", "none", None),
+    lowmem: tuple = ("precision", "none", None, "device"),
 ) -> Sampler:
     """``model_device``: where the DiT goes (default ``device``; the CPU when it is sharded next).
     ``dtype``: the DiT's weights (``sampling_weights``) and the text encoder's; the VAE stays fp32.
-    ``lowmem``: --base-dtype, --offload (``auto``: as the run trained, ``resolve_lowmem``) and
-    --offload-blocks (None: all), as ``store_for_sampling`` takes them."""
+    ``lowmem``: --base-dtype, --offload (``auto``: as the run trained, ``resolve_lowmem``),
+    --offload-blocks (None: all), as ``store_for_sampling`` takes them, and --idle-expert
+    (``idle_expert_for_sampling``)."""
     import yaml
 
     from dit.checkpoint import resolve_checkpoint
@@ -95,8 +126,9 @@ def load_checkpoint_sampler(
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
     model = load_sampling_model(cfg, weights, lora, lora_scale)
     model = sampling_weights(with_other_expert(cfg, model), dtype)
-    base_dtype, offload = resolve_lowmem(cfg.model, *lowmem[:2])
+    base_dtype, offload, idle_expert = resolve_lowmem(cfg.model, lowmem[0], lowmem[1], lowmem[3])
     offloaders = store_for_sampling(model, base_dtype, offload, lowmem[2], device, dtype)
+    idle_host = idle_expert_for_sampling(model, idle_expert, device)
     model = model.to(model_device or device).eval()
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device, dtype)
     vae = build_vae(cfg.data, device)
@@ -115,6 +147,7 @@ def load_checkpoint_sampler(
         image_encoder,
         base_dtype,
         offloaders,
+        idle_host,
     )
 
 
@@ -221,7 +254,7 @@ def load_pretrained_sampler(
     text_max_length: int = 512,
     model_device=None,
     dtype: torch.dtype = torch.float32,
-    lowmem: tuple[str, str, int | None] = ("precision", "none", None),
+    lowmem: tuple = ("precision", "none", None, "device"),
 ) -> Sampler:
     """A Wan pipeline folder (text-to-video, image-to-video or first-last-frame): its transformer
     (``dit/wan_import.py``; a Wan2.2 A14B folder's two experts as one ``dit.experts.ExpertPair``), its
@@ -263,8 +296,9 @@ def load_pretrained_sampler(
         model = load_pretrained(path, dtype, expert="high" if is_two_expert(index) else None)
         add_lora(model, lora, lora_scale)
     model = sampling_weights(model, dtype)
-    base_dtype, offload = resolve_lowmem(None, *lowmem[:2])
+    base_dtype, offload, idle_expert = resolve_lowmem(None, lowmem[0], lowmem[1], lowmem[3])
     offloaders = store_for_sampling(model, base_dtype, offload, lowmem[2], device, dtype)
+    idle_host = idle_expert_for_sampling(model, idle_expert, device)
     model = model.to(model_device or device).eval()
     text_encoder = load_text_encoder(
         "umt5", path, max_length=text_max_length, device=str(device), dtype=dtype
@@ -293,5 +327,5 @@ def load_pretrained_sampler(
         image_encoder = load_image_encoder(path, str(device))  # its image_encoder/ and image_processor/
     return Sampler(
         model, text_encoder, vae, pretrained_shift(path), Path("samples"), str(path.resolve()), image_encoder,
-        base_dtype, offloaders,
+        base_dtype, offloaders, idle_host,
     )  # fmt: skip

@@ -45,7 +45,8 @@ def test_defaults_are_the_documented_ones(parsed):
         frames=9, height=16, width=16, steps=30, guidance=4.0, guidance_2=None, shift=None,
         negative_prompt="", image=None, last_image=None, seed=0, fps=8, upscale=1, grid=False, lora=None,
         lora_scale=1.0, out=None, cfg_parallel="auto", memory_gb=None, fsdp="auto", precision="auto",
-        base_dtype="auto", offload="auto", offload_blocks=None, hardware=None, debug=False,
+        base_dtype="auto", offload="auto", offload_blocks=None, idle_expert="auto", hardware=None,
+        debug=False,
     )  # fmt: skip
     # what a queue line that sets nothing gets: no image is "", --guidance-2 unset is None (--guidance)
     assert defaults == dict(
@@ -62,7 +63,7 @@ def test_every_flag_parses_to_its_type_and_reaches_the_requests(parsed):
         "--image", "first.png", "--last-image", "last.png", "--seed", "11", "--fps", "16", "--upscale", "3",
         "--grid", "--lora", "style.safetensors", "--lora-scale", "0.5", "--out", "clips", "--cfg-parallel",
         "off", "--memory-gb", "80", "--fsdp", "per_layer", "--precision", "bf16", "--hardware", "a100",
-        "--base-dtype", "fp8_scaled", "--offload", "blocks", "--offload-blocks", "3",
+        "--base-dtype", "fp8_scaled", "--offload", "blocks", "--offload-blocks", "3", "--idle-expert", "cpu",
     )  # fmt: skip
     assert code == 0
     assert vars(args) == dict(
@@ -71,7 +72,7 @@ def test_every_flag_parses_to_its_type_and_reaches_the_requests(parsed):
         negative_prompt="blurry", image="first.png", last_image="last.png", seed=11, fps=16, upscale=3,
         grid=True, lora="style.safetensors", lora_scale=0.5, out="clips", cfg_parallel="off", memory_gb=80.0,
         fsdp="per_layer", precision="bf16", base_dtype="fp8_scaled", offload="blocks", offload_blocks=3,
-        hardware="a100", debug=False,
+        idle_expert="cpu", hardware="a100", debug=False,
     )  # fmt: skip
     typed = {
         k: type(v)

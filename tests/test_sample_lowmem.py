@@ -1,4 +1,4 @@
-"""sample.py's ``--base-dtype`` and ``--offload``, through its entry point on tiny checkpoints: offload
+"""sample.py's ``--base-dtype``, ``--offload`` and ``--idle-expert``, through its entry point on tiny checkpoints: offload
 changes no bit of a clip, fp8 changes it, ``auto`` samples as the run trained (its model.base_dtype and
 model.offload), and the memory check prices what the flags keep on the device.
 
@@ -7,7 +7,11 @@ tests/test_sample_cli.py does. Plants seen to fail: ``store_for_sampling`` ignor
 (no offloader: the spy), ignoring ``--base-dtype`` (fp8 grid equal to precision's), ``resolve_lowmem``
 not reading the run's config (auto unequal to the explicit fp8 grid), the offloader freeing a block
 before its forward (empty weights: the run fails), sample.py not passing the sampler to the memory
-check (the fitting run exits 2), ``weight_bytes`` pricing offloaded blocks as resident.
+check (the fitting run exits 2), ``weight_bytes`` pricing offloaded blocks as resident. Of
+``--idle-expert``: no offload at construction (the 'start' bytes), ``auto`` ignoring the run's
+model.idle_expert (no host made), the pre-hook keeping the other expert (the byte counter), the
+memory check ignoring where the idle expert waits (the fitting run exits 2), and
+``idle_expert_bytes`` pricing the blocks in flight (by hand).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from conftest import tiny_overrides
 from test_lora import TINY, lora_overrides, make_wan
 
 import sample
-from dit import block_offload
+from dit import block_offload, expert_offload
 from dit.config import load_config
 from dit.trainer import Trainer
 
@@ -59,6 +63,95 @@ def runs(tmp_path_factory):
             p.add_(0.05 * torch.randn_like(p))
     full.save()
     return {"lora": Path(lora.cfg.output_dir), "full": Path(cfg.output_dir)}
+
+
+@pytest.fixture(scope="module")
+def pair_run(tmp_path_factory) -> Path:
+    """A tiny two-expert run (model.expert=both) that trained with model.idle_expert=cpu, its weights
+    moved off their zero init so each expert shows in the clip."""
+    tmp = tmp_path_factory.mktemp("sample_idle")
+    both = {"model.expert": "both", "model.boundary_ratio": 0.875, "flow.shift": 5.0, "train.ema_decay": 0,
+            "model.idle_expert": "cpu"}  # fmt: skip
+    cfg = load_config(TINY, tiny_overrides(tmp / "pair", **both))
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.save()
+    return Path(cfg.output_dir)
+
+
+@pytest.fixture
+def idle_hosts(monkeypatch):
+    """Every IdleExpertHost sample.py makes, with (expert run, the other's device bytes, its own) read
+    from the tensors at each expert's forward, once the pre-hook has placed them; first ('start', the
+    low expert's, the high's) as the first forward finds them."""
+    made = []
+
+    class Spy(expert_offload.IdleExpertHost):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.seen = []
+            made.append(self)
+
+        def _before(self, module, name):
+            other = "low" if name == "high" else "high"
+            if not self.seen:  # the first forward finds the low expert on the host already
+                self.seen.append(("start", self.device_bytes("low"), self.device_bytes("high")))
+            super()._before(module, name)
+            self.seen.append((name, self.device_bytes(other), self.device_bytes(name)))
+
+    monkeypatch.setattr(expert_offload, "IdleExpertHost", Spy)
+    return made
+
+
+def test_the_idle_expert_waits_on_the_host_and_changes_no_bit(pair_run, tmp_path, idle_hosts):
+    """2 steps at shift 5 around the 0.875 boundary: t=1000 (high), then t=833 (low), each expert
+    brought in for its own steps while the other's bytes on the device are 0; the clip is the one
+    both experts on the device give, fp8 and offloaded blocks or not."""
+    auto = _grid(pair_run, tmp_path)  # the run's model.idle_expert=cpu
+    (host,) = idle_hosts
+    assert [n for n, *_ in host.seen] == ["start", "high", "low"], host.seen
+    assert all(other == 0 and own > 0 for _, other, own in host.seen), host.seen
+    np.testing.assert_array_equal(auto, _grid(pair_run, tmp_path, "--idle-expert", "device"))
+    assert len(idle_hosts) == 1
+    low = ["--base-dtype", "fp8_scaled", "--offload", "blocks"]
+    np.testing.assert_array_equal(
+        _grid(pair_run, tmp_path, *low), _grid(pair_run, tmp_path, *low, "--idle-expert", "device")
+    )
+    assert len(idle_hosts) == 2 and all(other == 0 for _, other, _own in idle_hosts[1].seen)
+
+
+def test_the_memory_check_prices_the_idle_expert_where_it_waits(pair_run, tmp_path, capsys):
+    """--memory-gb that holds one expert's fp32 weights and a request, not two experts': only
+    --idle-expert cpu fits, and the refusal names it."""
+    from dit.sampler_setup import load_checkpoint_sampler
+    from dynamic_cp.planning.memory import weight_bytes
+    from dynamic_cp.planning.model_dims import ModelDims
+
+    model = load_checkpoint_sampler(str(pair_run), "model", None, 1.0, "cpu").model
+    dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
+    one = weight_bytes(dims, value_bytes=4)  # an expert's fp32 weights
+    per_token = (16 * dims.d + 2 * dims.ffn) * 4
+    working = 16.5 * per_token  # (1, 8, 8) in 1x2x2 patches, unguided: 16 tokens, and half spare
+    assert one > working  # two experts leave not one token
+    limit = ["--memory-gb", str((one + working) / 0.9 / 1e9), "--guidance", "1"]
+    _grid(pair_run, tmp_path, *limit, "--idle-expert", "device", code=2)
+    err = capsys.readouterr().err
+    assert "do not fit" in err and "--idle-expert cpu keeps it on the host" in err, err
+    _grid(pair_run, tmp_path, *limit)  # auto: the run's cpu
+    from dit.sizes import MODEL_SIZES
+    from dynamic_cp.planning.memory import block_params
+    from dynamic_cp.runtime.sampling_plan import idle_expert_bytes
+
+    wan = ModelDims.from_config(MODEL_SIZES["wan-14b"], text_tokens=512)  # an A14B expert: 40 blocks
+    per_block, rest = block_params(wan), wan.num_params - wan.layers * block_params(wan)
+    assert idle_expert_bytes(wan, 1, 2, None, 0) == 2 * wan.num_params  # bf16, all on the device
+    assert idle_expert_bytes(wan, 4, 2, None, 0) == 2 * wan.num_params / 4  # its FSDP shard
+    # offloaded blocks wait on the host whole while the expert is idle: none in flight
+    assert idle_expert_bytes(wan, 1, 2, 1, 40) == pytest.approx(2 * rest)
+    assert idle_expert_bytes(wan, 1, 2, 1, 30) == pytest.approx(2 * rest + 1 * per_block * 10)
 
 
 @pytest.fixture
@@ -166,9 +259,15 @@ def test_bad_offload_blocks_and_torchrun_are_one_line(runs, tmp_path, capsys, mo
     _grid(runs["lora"], tmp_path, "--offload", "blocks", code=2)
     err = capsys.readouterr().err
     assert (
-        err.startswith("error: --base-dtype/--offload/--offload-blocks sample on one process")
+        err.startswith("error: --base-dtype/--offload/--offload-blocks/--idle-expert sample on one process")
         and err.count("\n") == 1
     )
+    _grid(runs["lora"], tmp_path, "--idle-expert", "cpu", code=2)
+    assert "--idle-expert sample on one process" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    _grid(runs["full"], tmp_path, "--idle-expert", "cpu", code=2)  # one transformer: nothing idle
+    err = capsys.readouterr().err
+    assert err.startswith("error: --idle-expert cpu: this model has one transformer") and err.count("\n") == 1
 
 
 def test_help_names_the_flags(capsys):
@@ -183,6 +282,8 @@ def test_help_names_the_flags(capsys):
         "auto: blocks when the run trained with model.offload, else none",
         "--offload-blocks OFFLOAD_BLOCKS",
         "how many blocks --offload keeps on the host (default: all)",
+        "--idle-expert {auto,cpu,device}",
+        "auto: cpu when the run trained with model.idle_expert=cpu, else device",
         "``--base-dtype fp8_scaled`` stores the blocks' weights in fp8",
     ]:
         assert words in text, words

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from _wan_parity import FixedText, as_tensor, pil_image
@@ -195,7 +196,14 @@ def test_sample_cli_on_a_two_expert_folder(tmp_path, capsys):
             "--guidance-2", "2.0", "--frames", "1", "--height", "16", "--width", "16", "--steps", "3",
             "--shift", "12", "--out", str(tmp_path / "out")]  # fmt: skip
     assert sample.main(argv) == 0
-    assert [iio.imread(c).shape[:3] for c in sorted((tmp_path / "out").glob("*.mp4"))] == [(1, 16, 16)] * 2
+    clips = [iio.imread(c) for c in sorted((tmp_path / "out").glob("*.mp4"))]
+    assert [c.shape[:3] for c in clips] == [(1, 16, 16)] * 2
+    argv_host = [*argv[:-1], str(tmp_path / "host"), "--idle-expert", "cpu"]  # the idle expert on the host
+    assert sample.main(argv_host) == 0
+    for clip, host in zip(clips, sorted((tmp_path / "host").glob("*.mp4")), strict=True):
+        np.testing.assert_array_equal(clip, iio.imread(host))
+    on_host = load_pretrained_sampler(str(root), None, 1.0, "cpu", lowmem=("auto", "auto", None, "cpu"))
+    assert on_host.idle_host.on_host == {"low"} and on_host.idle_host.device_bytes("low") == 0
     capsys.readouterr()
     assert sample.main([*argv, "--lora", str(tmp_path / "x.safetensors")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

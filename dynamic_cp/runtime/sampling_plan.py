@@ -11,7 +11,7 @@ from dit.sample_requests import SampleRequest
 from dit.sampling import compute_dtype, request_grid, request_scheduler
 from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.hardware import Hardware
-from dynamic_cp.planning.memory import sampling_token_cap
+from dynamic_cp.planning.memory import block_params, sampling_token_cap, weight_bytes
 from dynamic_cp.planning.model_dims import ModelDims
 from dynamic_cp.planning.sampling_planner import SamplingJob, SamplingPlan, plan_sampling
 
@@ -74,32 +74,56 @@ def plan_queue(
     shift=None,
     base_bytes: int | None = None,
     offload_blocks: int = 0,
+    idle_on_host: bool = False,
 ) -> SamplingPlan:
     """The plan of ``requests``; ``sharded``: the DiT is FSDP-sharded over the ``world_size`` ranks
     (memory priced with 1/W of the weights; lockstep rounds, in two expert phases for two experts at
     the run's ``shift``). Memory is priced in the DiT's compute dtype, next to ``resident_bytes`` of
     the other models on every rank (``resident_bytes(sampler)``); ``base_bytes`` and ``offload_blocks``:
-    the blocks' storage (sample.py's --base-dtype, --offload), as ``memory.weight_bytes`` prices them."""
+    the blocks' storage (sample.py's --base-dtype, --offload), as ``memory.weight_bytes`` prices them;
+    ``idle_on_host``: a two-expert model's idle expert waits in host memory (--idle-expert cpu)."""
     jobs = sampling_jobs(model, vae, requests, shift)
     value_bytes = compute_dtype(model).itemsize  # 2: bf16 (--precision bf16), 4: fp32
-    if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None:
-        # two experts (dit/experts.py) stay resident while one runs: the idle one's weights too
-        memory_bytes -= value_bytes * cost.dims.num_params / (world_size if sharded else 1)
     shards = world_size if sharded else 1
-    cap = (
-        None
-        if memory_bytes is None
-        else sampling_token_cap(
-            cost.dims,
-            memory_bytes,
-            shards=shards,
-            value_bytes=value_bytes,
-            resident_bytes=resident_bytes,
-            base_bytes=base_bytes,
-            offload_blocks=offload_blocks,
-        )  # fmt: skip
-    )
+    if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None and not idle_on_host:
+        # two experts (dit/experts.py) stay resident while one runs: the idle one's weights too
+        memory_bytes -= idle_expert_bytes(cost.dims, shards, value_bytes, base_bytes, offload_blocks)
+    try:
+        cap = (
+            None
+            if memory_bytes is None
+            else sampling_token_cap(
+                cost.dims,
+                memory_bytes,
+                shards=shards,
+                value_bytes=value_bytes,
+                resident_bytes=resident_bytes,
+                base_bytes=base_bytes,
+                offload_blocks=offload_blocks,
+            )  # fmt: skip
+        )
+    except ValueError as e:
+        two_on_device = getattr(model, "boundary_ratio", None) is not None and not idle_on_host
+        if not two_on_device or world_size > 1:
+            raise
+        raise ValueError(
+            f"{e}; the idle expert is on the device too: --idle-expert cpu keeps it on the host"
+        ) from None
     return plan_sampling(jobs, world_size, cost, cap, cfg_parallel=cfg_parallel, sharded=sharded)
+
+
+def idle_expert_bytes(
+    dims, shards: int, value_bytes: int, base_bytes: int | None, offload_blocks: int
+) -> float:
+    """Device bytes of a two-expert model's expert while the other runs: its 1/``shards`` of the
+    weights, or replicated its weights as ``weight_bytes`` prices them less the blocks in flight
+    (its offloaded blocks all wait on the host: its BlockOffloader frees each after its forward)."""
+    if shards > 1:
+        return value_bytes * dims.num_params / shards
+    in_flight = (
+        min(offload_blocks, 2) * block_params(dims) * (value_bytes if base_bytes is None else base_bytes)
+    )
+    return weight_bytes(dims, 1, value_bytes, base_bytes, offload_blocks) - in_flight
 
 
 def plan_with_weights(
@@ -142,14 +166,16 @@ def check_memory(
 ) -> None:
     """One process: a ValueError naming the first request whose forward does not fit
     ``memory_bytes`` next to ``resident`` bytes of other models (the planner's check on a world of
-    one rank), the blocks stored and placed as ``sampler`` has them (--base-dtype, --offload)."""
+    one rank), the blocks stored and placed as ``sampler`` has them (--base-dtype, --offload), and
+    its idle expert (--idle-expert)."""
     fp8 = sampler is not None and sampler.base_dtype.startswith("fp8")
     offload = 0 if sampler is None else sampler.offload_blocks
+    idle_on_host = sampler is not None and sampler.idle_host is not None
     dims = ModelDims.from_config(model.config, text_tokens=model.config.text_pad_len or 64)
     cost = CostModel(dims, Hardware.load("h100")).forward()
     plan_queue(
         model, vae, requests, 1, cost, memory_bytes, True, resident_bytes=resident,
-        base_bytes=1 if fp8 else None, offload_blocks=offload,
+        base_bytes=1 if fp8 else None, offload_blocks=offload, idle_on_host=idle_on_host,
     )  # fmt: skip
 
 
