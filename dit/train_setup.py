@@ -25,6 +25,7 @@ def check_train_options(cfg: Config, expert: tuple[str, float] | None, device: t
     from dit.fp8_train import check_fp8_runs
 
     check_fp8_runs(cfg.train.fp8, cfg.model.lora is not None, device)
+    check_lora_base(cfg.model)
     if cfg.model.offload != "none" and not cfg.model.gradient_checkpointing:
         raise ValueError(
             f"model.offload={cfg.model.offload} trains by bringing each block back for its recompute in "
@@ -47,6 +48,24 @@ def check_train_options(cfg: Config, expert: tuple[str, float] | None, device: t
         raise ValueError(
             "model.idle_expert=cpu with model.compile: a compiled expert's weights cannot move to the "
             "host between its steps; set model.compile=false, or model.idle_expert=sharded"
+        )
+
+
+def check_lora_base(model_cfg) -> None:
+    """Refuse LoRA on the seeded init: adaLN-zero zeroes the output layer (and every block's gates), so
+    the output does not depend on the blocks and every adapter's gradient is exactly zero. A LoRA
+    checkpoint holds adapters alone (its base is model.pretrained again on resume), and model.lora_init
+    adds adapters to the same zero base, so neither helps; ``model.overrides={adaln_zero_init: false}``
+    (a random base whose gradients flow, as benchmarks use) is let through."""
+    from dit.sizes import model_kwargs
+
+    if model_cfg.lora is None or model_cfg.pretrained:
+        return
+    if model_kwargs(model_cfg.size, model_cfg.overrides).get("adaln_zero_init", True):
+        raise ValueError(
+            "model.lora without model.pretrained: LoRA on an untrained base gets zero gradients (its "
+            "adaLN-zero output layer is zero) and trains nothing; set model.pretrained=PATH to a diffusers "
+            "Wan folder or a full run's checkpoint model/, or drop model.lora to train every weight"
         )
 
 

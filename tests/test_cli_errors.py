@@ -11,6 +11,7 @@ no-op -> the in-process broken-files case fails (decord's C++ lines reach fd 2).
 """
 
 import importlib
+import json
 import logging
 import os
 import subprocess
@@ -199,3 +200,25 @@ def test_run_cli_reports_user_errors_and_keeps_bugs_loud(capsys):
         run_cli(lambda: {}["missing"])
     with pytest.raises(RunStopped):  # --debug shows the user error's traceback too
         run_cli(stop, debug=True)
+
+
+@pytest.mark.parametrize("extra", [{}, {"model.expert": "both", "model.boundary_ratio": 0.875}])
+def test_train_refuses_lora_on_an_untrained_base(tmp_path, capfd, extra):
+    """model.lora without model.pretrained trains adapters on the seeded init, whose adaLN-zero output
+    layer is zero: every adapter gradient is exactly zero and the loss never moves. Refused in one line
+    naming the fix, before the output folder is made; a random base (``adaln_zero_init: false``, whose
+    gradients flow) is let through. Planted: the check skipped -> the run starts and this test fails;
+    the override ignored -> the random base is refused and this test fails."""
+    out = tmp_path / "run"
+    over = tiny_overrides(tmp_path, **{"model.lora": "{rank: 4}", "train.max_steps": 1, **extra})
+    result = _main("train", ["--config", TINY, *over], capfd)
+    _user_error(result, "model.lora without model.pretrained: LoRA on an untrained base gets zero gradients")
+    assert "set model.pretrained=PATH to a diffusers Wan folder" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists()
+    random_base = "{num_layers: 2, ffn_dim: 128, adaln_zero_init: false}"
+    over = tiny_overrides(tmp_path, **{"model.lora": "{rank: 4}", "model.overrides": random_base,
+                                       "train.max_steps": 1, "train.val_every": 100, **extra})  # fmt: skip
+    assert _main("train", ["--config", TINY, *over], capfd).returncode == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] > 0 for r in rows if "loss" in r] == [True]

@@ -279,15 +279,31 @@ def test_resume_auto_finds_the_checkpoints_of_both_a14b_experts(tmp_path, capsys
     the resume skips step 3 naming that file, continues from step 2 and logs steps 3 and 4 bitwise
     as the uninterrupted run (step 4's loss reads step 3's update, made with the restored AdamW
     moments); the full run keeps its idle expert on the host (model.idle_expert=cpu) throughout.
-    Planted: the old check of model/*.safetensors alone -> "starting fresh", and this test fails."""
+    Planted: the old check of model/*.safetensors alone -> "starting fresh", and this test fails.
+
+    The LoRA case trains on a random two-expert Wan folder: on the seeded init (adaLN-zero's zero
+    output layer) every adapter gradient is zero and the losses ignore the adapters, so the resume
+    check held even with the adapters never restored (planted: ``load_adapters`` skipping the copy
+    into the model -> passed before, fails now)."""
+    from test_wan22_both import _a14b_folder
+
+    lora_items = {"model.lora": "{}", "model.overrides": "{}",
+                  "model.pretrained": str(_a14b_folder(tmp_path / "a14b"))}  # fmt: skip
     items = {**STEPS, "model.expert": "both", "model.boundary_ratio": 0.875,
              "train.global_batch_size": 4, "model.idle_expert": idle,
-             **({"model.lora": "{}"} if lora else {})}  # fmt: skip
+             **(lora_items if lora else {})}  # fmt: skip
     argv = ["--config", TINY, *tiny_overrides(tmp_path, **items), "--resume", "auto"]
     assert train.main(argv) == 0
     run = tmp_path / "run"
     want = _losses(run)
+    assert all(r["grad_norm"] > 0 for r in _rows(run) if "loss" in r)  # every step trains something
     name = "pytorch_lora_weights" if lora else "diffusion_pytorch_model"
+    if lora:  # each expert's adapters moved off peft's zero B
+        for folder in ("transformer", "transformer_2"):
+            saved = safetensors.torch.load_file(
+                str(run / "checkpoints" / "step_000004" / "model" / folder / f"{name}.safetensors")
+            )
+            assert any(float(v.abs().max()) > 0 for k, v in saved.items() if "lora_B" in k), folder
     shutil.rmtree(run / "checkpoints" / "step_000004")
     _truncate(run / "checkpoints" / "step_000003" / "model" / "transformer_2" / f"{name}.safetensors")
     capsys.readouterr()
