@@ -182,6 +182,8 @@ def _write_lora(model, directory: str | Path, layers: dict[str, torch.Tensor], a
 
     layers = {k[len(PREFIX) + 1 :]: v.cpu() for k, v in layers.items()}
     config = model.peft_config[adapter_name].to_dict()
+    if not isinstance(config.get("target_modules"), (str, type(None))):  # a set: its order varies by run
+        config["target_modules"] = sorted(config["target_modules"])
     WanLoraLoaderMixin.save_lora_weights(
         directory, transformer_lora_layers=layers, transformer_lora_adapter_metadata=config
     )
