@@ -102,7 +102,11 @@ TARGETS: dict[str, list[str]] = {
     "dit/fp8_base.py": ["tests/test_fp8_base.py"],
     "dit/block_offload.py": ["tests/test_block_offload.py"],
     "dit/fp8_train.py": ["tests/test_fp8_train.py"],
-    "dit/expert_offload.py": ["tests/test_expert_offload.py", "tests/test_expert_offload_ranks.py"],
+    "dit/expert_offload.py": [
+        "tests/test_expert_offload.py",
+        "tests/test_expert_offload_ranks.py",
+        "tests/test_sample_lowmem.py",
+    ],
     "dit/sampling.py": [
         "tests/test_sampling_steps.py",
         "tests/test_sampling_guidance.py",
