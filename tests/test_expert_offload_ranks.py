@@ -165,6 +165,7 @@ def test_idle_expert_on_host_is_bitwise_sharded_on_every_rank(ranks, case):
         for s, (a, b) in enumerate(zip(cpu["steps"], sharded["steps"])):
             where = f"{case} rank {r} step {s + 1}"
             assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), where
+            assert a["grad_norm"] > 0, f"{where}: no gradient reached the trained weights"
             assert a["grads"].keys() == b["grads"].keys()
             bad = [n for n in a["grads"] if not _equal(a["grads"][n], b["grads"][n])]
             assert not bad, f"{where}: gradients differ: {bad[:3]}"
