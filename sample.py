@@ -184,7 +184,6 @@ def run(args) -> int:
         )
     if distributed:  # a run trained with fp8 or offload samples with its DiT's dtype here
         lowmem = ("precision", "none", None, "device")
-    if distributed:
         from dynamic_cp.runtime.sampling import sampling_world
 
         world = sampling_world()  # joins torchrun's process group; left on exit

@@ -40,8 +40,8 @@ def resolve_lowmem(
 ) -> tuple[str, str, str]:
     """``--base-dtype``, ``--offload`` and ``--idle-expert`` ``auto`` -> what the run trained with
     (``model_cfg``: its ``model.base_dtype``, fp8 or not, ``model.offload``, blocks or not, and
-    ``model.idle_expert``, cpu or not, under ``model.expert=both``), or for a ``--pretrained`` folder (``model_cfg`` None) the
-    DiT's own dtype, no offload and both experts on the device."""
+    ``model.idle_expert``, cpu or not, under ``model.expert=both``), or for a ``--pretrained`` folder
+    (``model_cfg`` None) the DiT's own dtype, no offload and both experts on the device."""
     if base_dtype == "auto":
         run = "auto" if model_cfg is None else model_cfg.base_dtype
         base_dtype = run if run.startswith("fp8") else "precision"
@@ -96,6 +96,19 @@ def store_for_sampling(model, base_dtype: str, offload: str, offload_blocks: int
     return [BlockOffloader(dit.blocks, device, count, lambda: False) for dit in dits]
 
 
+def place_for_sampling(model, model_cfg, lowmem: tuple, device, model_device, dtype):
+    """``lowmem`` (--base-dtype, --offload, --offload-blocks, --idle-expert; ``auto`` resolved
+    against ``model_cfg``, ``resolve_lowmem``) applied to a sampling model still on the CPU, which
+    then moves to ``model_device`` (default ``device``) -> (the model, the base dtype applied, its
+    BlockOffloaders, its IdleExpertHost or None). The fp8 storage and the offloads are set up before
+    the move, so the device never holds what waits on the host."""
+    base_dtype, offload, offload_blocks, idle_expert = lowmem
+    base_dtype, offload, idle_expert = resolve_lowmem(model_cfg, base_dtype, offload, idle_expert)
+    offloaders = store_for_sampling(model, base_dtype, offload, offload_blocks, device, dtype)
+    idle_host = idle_expert_for_sampling(model, idle_expert, device)
+    return model.to(model_device or device).eval(), base_dtype, offloaders, idle_host
+
+
 def load_checkpoint_sampler(
     checkpoint: str,
     weights_kind: str,
@@ -108,9 +121,8 @@ def load_checkpoint_sampler(
 ) -> Sampler:
     """``model_device``: where the DiT goes (default ``device``; the CPU when it is sharded next).
     ``dtype``: the DiT's weights (``sampling_weights``) and the text encoder's; the VAE stays fp32.
-    ``lowmem``: --base-dtype, --offload (``auto``: as the run trained, ``resolve_lowmem``),
-    --offload-blocks (None: all), as ``store_for_sampling`` takes them, and --idle-expert
-    (``idle_expert_for_sampling``)."""
+    ``lowmem``: --base-dtype, --offload, --offload-blocks (None: all) and --idle-expert, ``auto``
+    as the run trained (``place_for_sampling``)."""
     import yaml
 
     from dit.checkpoint import resolve_checkpoint
@@ -126,10 +138,9 @@ def load_checkpoint_sampler(
     cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
     model = load_sampling_model(cfg, weights, lora, lora_scale)
     model = sampling_weights(with_other_expert(cfg, model), dtype)
-    base_dtype, offload, idle_expert = resolve_lowmem(cfg.model, lowmem[0], lowmem[1], lowmem[3])
-    offloaders = store_for_sampling(model, base_dtype, offload, lowmem[2], device, dtype)
-    idle_host = idle_expert_for_sampling(model, idle_expert, device)
-    model = model.to(model_device or device).eval()
+    model, base_dtype, offloaders, idle_host = place_for_sampling(
+        model, cfg.model, lowmem, device, model_device, dtype
+    )
     text_encoder = build_text_encoder(cfg.data, model.config.text_dim, device, dtype)
     vae = build_vae(cfg.data, device)
     image_encoder = None
@@ -296,10 +307,9 @@ def load_pretrained_sampler(
         model = load_pretrained(path, dtype, expert="high" if is_two_expert(index) else None)
         add_lora(model, lora, lora_scale)
     model = sampling_weights(model, dtype)
-    base_dtype, offload, idle_expert = resolve_lowmem(None, lowmem[0], lowmem[1], lowmem[3])
-    offloaders = store_for_sampling(model, base_dtype, offload, lowmem[2], device, dtype)
-    idle_host = idle_expert_for_sampling(model, idle_expert, device)
-    model = model.to(model_device or device).eval()
+    model, base_dtype, offloaders, idle_host = place_for_sampling(
+        model, None, lowmem, device, model_device, dtype
+    )
     text_encoder = load_text_encoder(
         "umt5", path, max_length=text_max_length, device=str(device), dtype=dtype
     )

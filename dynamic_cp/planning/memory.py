@@ -389,19 +389,21 @@ def weight_bytes(
     value_bytes: int = BYTES_BF16,
     base_bytes: int | None = None,
     offload_blocks: int = 0,
+    in_flight: int = 2,
 ) -> float:
     """DiT weights one rank holds while sampling, ``value_bytes`` a parameter (2: bf16, 4: fp32): all of
     them replicated (``shards`` 1), else its 1/``shards`` of them plus two gathered blocks (the one
     running and the one FSDP prefetches), never more than all of them (a model of one or two blocks).
     Replicated only, sample.py's ``--base-dtype`` and ``--offload``: the blocks at ``base_bytes`` a
-    weight (1: fp8; None: ``value_bytes``), ``offload_blocks`` of them on the host, two of which (the
-    running one and the prefetched one) are on the device at a time, as training's ``_lora_placement``."""
+    weight (1: fp8; None: ``value_bytes``), ``offload_blocks`` of them on the host, ``in_flight`` of
+    which are on the device at a time: two while the model runs (the running one and the prefetched
+    one, as training's ``_lora_placement``), none while it waits (an idle expert)."""
     total = value_bytes * dims.num_params
     if base_bytes is not None or offload_blocks:
         if shards > 1:
             raise ValueError("weight_bytes: fp8 blocks and offload price replicated weights (shards=1)")
         per_block = block_params(dims)
-        on_device = dims.layers - offload_blocks + min(offload_blocks, 2)
+        on_device = dims.layers - offload_blocks + min(offload_blocks, in_flight)
         blocks = (value_bytes if base_bytes is None else base_bytes) * per_block * on_device
         return total - value_bytes * per_block * dims.layers + blocks
     if shards <= 1:

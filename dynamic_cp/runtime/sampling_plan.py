@@ -11,7 +11,7 @@ from dit.sample_requests import SampleRequest
 from dit.sampling import compute_dtype, request_grid, request_scheduler
 from dynamic_cp.planning.cost_model import CostModel
 from dynamic_cp.planning.hardware import Hardware
-from dynamic_cp.planning.memory import block_params, sampling_token_cap, weight_bytes
+from dynamic_cp.planning.memory import sampling_token_cap, weight_bytes
 from dynamic_cp.planning.model_dims import ModelDims
 from dynamic_cp.planning.sampling_planner import SamplingJob, SamplingPlan, plan_sampling
 
@@ -85,8 +85,9 @@ def plan_queue(
     jobs = sampling_jobs(model, vae, requests, shift)
     value_bytes = compute_dtype(model).itemsize  # 2: bf16 (--precision bf16), 4: fp32
     shards = world_size if sharded else 1
-    if memory_bytes is not None and getattr(model, "boundary_ratio", None) is not None and not idle_on_host:
-        # two experts (dit/experts.py) stay resident while one runs: the idle one's weights too
+    # two experts (dit/experts.py) stay resident while one runs, unless the idle one waits on the host
+    idle_on_device = getattr(model, "boundary_ratio", None) is not None and not idle_on_host
+    if memory_bytes is not None and idle_on_device:
         memory_bytes -= idle_expert_bytes(cost.dims, shards, value_bytes, base_bytes, offload_blocks)
     try:
         cap = (
@@ -103,8 +104,7 @@ def plan_queue(
             )  # fmt: skip
         )
     except ValueError as e:
-        two_on_device = getattr(model, "boundary_ratio", None) is not None and not idle_on_host
-        if not two_on_device or world_size > 1:
+        if not idle_on_device or world_size > 1:  # --idle-expert is sample.py's on one process only
             raise
         raise ValueError(
             f"{e}; the idle expert is on the device too: --idle-expert cpu keeps it on the host"
@@ -116,14 +116,11 @@ def idle_expert_bytes(
     dims, shards: int, value_bytes: int, base_bytes: int | None, offload_blocks: int
 ) -> float:
     """Device bytes of a two-expert model's expert while the other runs: its 1/``shards`` of the
-    weights, or replicated its weights as ``weight_bytes`` prices them less the blocks in flight
-    (its offloaded blocks all wait on the host: its BlockOffloader frees each after its forward)."""
+    weights, or replicated its weights as ``weight_bytes`` prices them with no block in flight (its
+    offloaded blocks all wait on the host: its BlockOffloader frees each after its forward)."""
     if shards > 1:
         return value_bytes * dims.num_params / shards
-    in_flight = (
-        min(offload_blocks, 2) * block_params(dims) * (value_bytes if base_bytes is None else base_bytes)
-    )
-    return weight_bytes(dims, 1, value_bytes, base_bytes, offload_blocks) - in_flight
+    return weight_bytes(dims, 1, value_bytes, base_bytes, offload_blocks, in_flight=0)
 
 
 def plan_with_weights(
