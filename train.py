@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from data.cli import add_debug_flag, run_cli
 
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train into an output_dir an earlier run used: that run is moved to <output_dir>.old-N first",
     )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="let --resume continue with data/model/flow settings other than the checkpoint's "
+        "(refused by default: the run would learn something else than it did)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides such as train.max_steps=200")
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
@@ -83,7 +90,7 @@ def run(args) -> int:
             f"parallel.mode=none under torchrun with {processes} processes: each would train the whole "
             "run alone into the same output_dir; set parallel.mode=dynamic (or static), or run one process"
         )
-    resume = resolve_resume(cfg, args.resume, args.overwrite)
+    resume = resolve_resume(cfg, args.resume, args.overwrite, args.allow_config_change)
     if cfg.parallel.mode == "none":
         from dit.trainer import Trainer
 
@@ -95,26 +102,45 @@ def run(args) -> int:
     return 0
 
 
-def resolve_resume(cfg, resume_arg: str | None, overwrite: bool) -> str | None:
+def resolve_resume(
+    cfg, resume_arg: str | None, overwrite: bool, allow_config_change: bool = False
+) -> str | None:
     """The step directory to resume (None: start fresh) from ``--resume`` or ``train.resume``, after
     refusing or moving aside a used output_dir. Every rank resolves it from the same files (a
-    shared file system, as resuming needs anyway); only torchrun's rank 0 moves, drops or reports."""
+    shared file system, as resuming needs anyway); only torchrun's rank 0 moves, drops or reports.
+
+    A checkpoint this launch cannot load, or one trained on other data/model/flow settings, stops the
+    run here in one line (``dit/resume_checks.py``), before anything in output_dir is written. A run
+    with checkpoints never starts fresh: ``--resume auto`` starts at step 0 only where no save finished."""
     from dit.checkpoint import find_resume_checkpoint, resolve_checkpoint
+    from dit.checkpoint_whole import step_dirs
+    from dit.resume_checks import check_resume
     from dit.run_dir import drop_metrics_of_unsaved_run, prepare_output_dir
 
     is_main = os.environ.get("RANK", "0") == "0"
     report = print if is_main else (lambda line: None)
     resume_arg = resume_arg if resume_arg is not None else cfg.train.resume
+    if resume_arg is None:
+        prepare_output_dir(cfg.output_dir, None, overwrite, is_main)
+        return None
     if resume_arg != "auto":
         prepare_output_dir(cfg.output_dir, resume_arg, overwrite, is_main)
-        return None if resume_arg is None else str(resolve_checkpoint(resume_arg, report, whole=True))
-    prepare_output_dir(cfg.output_dir, cfg.output_dir, overwrite, is_main)
-    step_dir = find_resume_checkpoint(cfg.output_dir, report)
-    if step_dir is None:
-        report(f"--resume auto: no whole checkpoint in {cfg.output_dir}; starting fresh")
-        if is_main:
-            drop_metrics_of_unsaved_run(cfg.output_dir)
-        return None
+        step_dir = resolve_checkpoint(resume_arg, report, whole=True)
+    else:
+        prepare_output_dir(cfg.output_dir, cfg.output_dir, overwrite, is_main)
+        step_dir = find_resume_checkpoint(cfg.output_dir, report)
+        saved = Path(cfg.output_dir) / "checkpoints"
+        if step_dir is None and saved.is_dir() and any(not p.name.endswith(".tmp") for p in step_dirs(saved)):
+            raise ValueError(
+                f"--resume auto: {saved} holds checkpoints but none is whole (see the lines above); "
+                "restore one, or resume an earlier one with --resume PATH"
+            )
+        if step_dir is None:
+            report(f"--resume auto: no whole checkpoint in {cfg.output_dir}; starting fresh")
+            if is_main:
+                drop_metrics_of_unsaved_run(cfg.output_dir)
+            return None
+    check_resume(cfg, step_dir, allow_config_change)
     return str(step_dir)
 
 

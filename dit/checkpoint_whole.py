@@ -11,7 +11,13 @@ system that lost the tail of a file, a copy cut short, a file edited by hand. Th
   end of the file, and every member inside the file's size;
 - ``sharded/`` (DCP): its ``.metadata``, which DCP writes last, after every rank's shards (as
   torchtitan does, a folder without it is ignored). The metadata is a pickle, so it is not opened
-  here; DCP's load reads it.
+  here; DCP's load reads it;
+- ``stages/stage_{p}/`` (pipeline stages): one folder for each of the run's ``parallel.pp_size``
+  stages (read from the checkpoint's ``config.yaml``), each with its ``model.safetensors`` and
+  ``optim.safetensors``.
+
+``checkpoint_format`` says which format a folder is in, from its files: the one answer every launch
+mode asks before it resumes (``dit/resume_checks.py``), and the one this check follows.
 """
 
 from __future__ import annotations
@@ -21,9 +27,56 @@ import re
 import struct
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 STEP_DIR = re.compile(r"step_(\d+)(\.tmp)?$")
+STAGES, SHARDED = "stages", "sharded"
+STAGE_FILES = ("model.safetensors", "optim.safetensors")  # ema.safetensors only where the run kept one
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """What a checkpoint folder holds, read from its files (never from the config that asks)."""
+
+    weights: str  # 'replicated' (model/ + the optimizer in trainer.pt), 'dcp' (sharded/) or 'stages'
+    lora: bool  # adapters alone, in diffusers' LoRA files (the base is model.pretrained)
+    experts: bool  # model.expert=both: model/transformer/ and model/transformer_2/
+
+    def __str__(self) -> str:
+        where = {
+            "replicated": "replicated weights (model/, the optimizer in trainer.pt)",
+            "dcp": "FSDP shards (sharded/, parallel.fsdp=per_step or per_layer)",
+            "stages": "pipeline stage files (stages/, parallel.pp_size > 1)",
+        }[self.weights]
+        return where + (", LoRA adapters" if self.lora else "") + (", both experts" if self.experts else "")
+
+
+def checkpoint_format(step_dir: Path) -> CheckpointFormat:
+    """The format of ``step_dir``: stage files, DCP shards or replicated files; LoRA and A14B's two
+    experts on top of any of them."""
+    if (step_dir / STAGES).is_dir():
+        weights = "stages"
+    elif (step_dir / SHARDED).is_dir():
+        weights = "dcp"
+    else:
+        weights = "replicated"
+    model = step_dir / "model"
+    lora = any(model.rglob("pytorch_lora_weights.safetensors")) if model.is_dir() else False
+    experts = model.is_dir() and any(p.is_dir() for p in model.glob("transformer*"))
+    return CheckpointFormat(weights, lora, experts)
+
+
+def saved_config(step_dir: Path) -> dict:
+    """The checkpoint's ``config.yaml`` (the run's resolved config), {} where it has none or it is
+    unreadable (safe_load: plain types only)."""
+    try:
+        saved = yaml.safe_load((step_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -71,13 +124,12 @@ def checkpoint_problem(step_dir: Path) -> str | None:
     problem = torch_file_problem(step_dir / "trainer.pt")
     if problem:
         return problem
-    model = step_dir / "model"
-    if not model.is_dir():
-        return "model/ holds no safetensors weights"
-    # A14B's two experts (model.expert=both) save a diffusers folder: one subfolder per expert
-    for part in sorted(p for p in model.glob("transformer*") if p.is_dir()) or [model]:
-        if not any(part.glob("*.safetensors")):
-            return f"{part.relative_to(step_dir)}/ holds no safetensors weights"
+    if checkpoint_format(step_dir).weights == "stages":
+        problem = _stages_problem(step_dir)
+    else:
+        problem = _model_folder_problem(step_dir)
+    if problem:
+        return problem
     for path in sorted(step_dir.rglob("*.safetensors")):  # model/, ema/ (and their experts' folders)
         problem = safetensors_problem(path)
         if problem:
@@ -90,9 +142,36 @@ def checkpoint_problem(step_dir: Path) -> str | None:
         missing = sorted(s for s in shards if not (index.parent / s).is_file())
         if missing:
             return f"{index.parent.relative_to(step_dir)}/{missing[0]} is missing"
-    sharded = step_dir / "sharded"
+    sharded = step_dir / SHARDED
     if sharded.is_dir() and not (sharded / ".metadata").is_file():
         return "sharded/.metadata is missing (DCP writes it last: the save did not finish)"
+    return None
+
+
+def _model_folder_problem(step_dir: Path) -> str | None:
+    """Replicated and DCP checkpoints hold the run's weights in model/ (DCP: the consolidated export)."""
+    model = step_dir / "model"
+    if not model.is_dir():
+        return "model/ holds no safetensors weights"
+    # A14B's two experts (model.expert=both) save a diffusers folder: one subfolder per expert
+    for part in sorted(p for p in model.glob("transformer*") if p.is_dir()) or [model]:
+        if not any(part.glob("*.safetensors")):
+            return f"{part.relative_to(step_dir)}/ holds no safetensors weights"
+    return None
+
+
+def _stages_problem(step_dir: Path) -> str | None:
+    """Every stage of the run wrote its folder: the weights and moments of its blocks (a pipeline
+    LoRA's model/ is rank 0's merge of them, so the stage files are what resumes)."""
+    pp_size = saved_config(step_dir).get("parallel", {}).get("pp_size")
+    found = sorted(p.name for p in (step_dir / STAGES).iterdir() if p.is_dir())
+    wanted = [f"stage_{p}" for p in range(pp_size)] if isinstance(pp_size, int) else found
+    if not wanted:
+        return f"{STAGES}/ holds no stage folders"
+    for name in wanted:
+        for file in STAGE_FILES:
+            if not (step_dir / STAGES / name / file).is_file():
+                return f"{STAGES}/{name}/{file} is missing"
     return None
 
 

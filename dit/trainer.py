@@ -48,7 +48,7 @@ from dit.train_setup import (
     validation_sigmas,
     warn_on_few_checkpoints,
 )
-from dit.trainer_resume import ema_folder, load_adapters, load_model_weights
+from dit.trainer_resume import load_checkpoint_tensors
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -147,33 +147,17 @@ class Trainer:
     def _resume(self, path: str) -> None:
         step_dir = resolve_checkpoint(path)
         state = load_trainer_state(step_dir)
-        if "optimizer" not in state and (step_dir / "sharded").is_dir():
-            raise ValueError(
-                f"{step_dir} was written under parallel.fsdp=per_step or per_layer: its optimizer state is "
-                "in sharded/. Resume it under torchrun with parallel.fsdp=auto, per_step or per_layer (any "
-                "number of ranks), or start a new run from its weights with model.pretrained="
-                f"{step_dir / 'model'}"
-            )
-        if self.lora:
-            self._resume_lora(step_dir)
-        else:
-            self._resume_weights(step_dir)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_checkpoint_tensors(self.model, self.ema, self.optimizer, step_dir, state, self.lora)
         self.lr_schedule.load_state_dict(state["lr_schedule"])
+        # the groups' lr is the schedule's last (a stage checkpoint's moments come without the groups)
+        for group, lr in zip(self.optimizer.param_groups, self.lr_schedule.get_last_lr()):
+            group["lr"] = lr
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         set_rng_state(state["rng"])
         self._truncate_metrics(self.step)
         if self.is_main:  # one line per job, not one per rank
             print(f"resumed from {step_dir} at step {self.step}")
-
-    def _resume_lora(self, step_dir: Path) -> None:
-        load_adapters(self.model, self.ema, step_dir)
-
-    def _resume_weights(self, step_dir: Path) -> None:
-        load_model_weights(self.model, step_dir / "model")
-        if self.ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
-            load_model_weights(self.ema.model, ema_folder(step_dir))
 
     def save(self) -> Path:
         state = {

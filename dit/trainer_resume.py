@@ -1,7 +1,8 @@
-"""Loading a training checkpoint's weights back into a live model: full weights, or LoRA adapters.
+"""Loading a training checkpoint's tensors back into a live replicated model: full weights or LoRA
+adapters, the EMA and the optimizer's moments, from replicated files or a pipeline run's stage files.
 
-``Trainer._resume`` (dit/trainer.py) reads the trainer state and calls these for the weights; the
-FSDP runtime loads its DCP shards instead (dynamic_cp/runtime/fsdp_checkpoint.py).
+``Trainer._resume`` (dit/trainer.py) reads the trainer state and calls ``load_checkpoint_tensors``;
+the FSDP runtime loads its DCP shards instead (dynamic_cp/runtime/fsdp_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,42 @@ from pathlib import Path
 import torch
 
 from dit.checkpoint import load_weights
+from dit.checkpoint_stages import (
+    EMA,
+    load_by_name,
+    ordered_params,
+    read_stage_files,
+    read_stage_moments,
+    read_stage_weights,
+)
+from dit.checkpoint_whole import checkpoint_format
+
+
+def load_checkpoint_tensors(model, ema, optimizer, step_dir: Path, state: dict, lora: bool) -> None:
+    """``step_dir``'s weights (the adapters under LoRA), EMA and AdamW moments into ``model``, ``ema``
+    and ``optimizer``; ``state``: its trainer.pt (a replicated checkpoint's optimizer is there)."""
+    weights = checkpoint_format(step_dir).weights
+    if weights == "dcp":  # dit/resume_checks.py refuses this before the model is built; kept as a guard
+        raise ValueError(
+            f"{step_dir} was written under parallel.fsdp=per_step or per_layer: its optimizer state is "
+            "in sharded/. Resume it under torchrun with parallel.fsdp=auto, per_step or per_layer (any "
+            f"number of ranks), or start a new run from its weights with model.pretrained={step_dir / 'model'}"
+        )
+    if weights == "stages":  # every stage's files, by parameter name
+        names = {id(p): n for n, p in model.named_parameters()}
+        moments = read_stage_moments(step_dir, {names[id(p)] for p in ordered_params(optimizer)})
+        ema_state = read_stage_files(step_dir, EMA) if ema is not None else {}
+        load_by_name(
+            model, ema, optimizer, read_stage_weights(step_dir, model, lora), ema_state, moments, lora
+        )
+        return
+    if lora:
+        load_adapters(model, ema, step_dir)
+    else:
+        load_model_weights(model, step_dir / "model")
+        if ema is not None:  # a checkpoint saved without EMA starts the EMA at the resumed weights
+            load_model_weights(ema.model, ema_folder(step_dir))
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def ema_folder(step_dir: Path) -> Path:

@@ -304,6 +304,29 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
         )
         assert_weights_close(_params_of(res), ref_params, f"resumed at pp_size={pp}, fsdp={fsdp}")
         assert_ema_resumed(res, step_dir)
+    # one process (parallel.mode=none: train.py's Trainer, no process group) reads the stage files too
+    res = [_train_one_process(str(tmp_path / "to_one"), str(step_dir))]
+    assert_weights_close(_params_of(res), ref_params, "resumed in one process")
+    assert_ema_resumed(res, step_dir)
+
+
+def _train_one_process(out: str, resume: str) -> dict:
+    """``_train``'s result for one process resuming ``resume`` to step STEPS (the checkpoint replaces
+    every weight, so no perturbation is needed)."""
+    from dit.trainer import Trainer
+
+    one = {"parallel.mode": "none", "parallel.pp_size": 1, "parallel.fsdp": "none", "train.max_steps": STEPS}
+    trainer = Trainer(load_config(CONFIG, overrides(out, **one)), resume=resume)
+    saved, save = [], trainer.save
+    trainer.save = lambda: saved.append(save()) or saved[-1]
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {
+        "params": params,
+        "ema": _ema_of(trainer.ema),
+        "step": trainer.step,
+        "saved": [str(p) for p in saved],
+    }
 
 
 def test_fsdp_stage_checkpoint_resumes_bitwise_and_unsharded(reference, tmp_path):

@@ -33,14 +33,19 @@ from dit.checkpoint import (
     save_trainer_state,
     set_rng_state,
 )
-
-STAGES = "stages"
-MODEL, EMA, OPTIM = "model.safetensors", "ema.safetensors", "optim.safetensors"
-
-
-def _ordered_params(optimizer) -> list[torch.nn.Parameter]:
-    """The optimizer's parameters in its state dict's index order."""
-    return [p for g in optimizer.param_groups for p in g["params"]]
+from dit.checkpoint_stages import (
+    EMA,
+    MODEL,
+    OPTIM,
+    groups_by,
+    load_by_name,
+    ordered_params,
+    read_stage_files,
+    read_stage_moments,
+    read_stage_weights,
+    saved_names,
+)
+from dit.checkpoint_whole import STAGES, checkpoint_format
 
 
 def _ema_state(ema) -> dict[str, torch.Tensor] | None:
@@ -82,9 +87,9 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
     if trainer.lora:  # the run's LoRA, every stage's adapters in one diffusers file (model/, ema/)
         from dit.lora import save_stages_lora
 
-        save_stages_lora(trainer.model, tmp / "model", _read(tmp, MODEL))
+        save_stages_lora(trainer.model, tmp / "model", read_stage_files(tmp, MODEL))
         if trainer.ema is not None:
-            save_stages_lora(trainer.model, tmp / "ema", _read(tmp, EMA))
+            save_stages_lora(trainer.model, tmp / "ema", read_stage_files(tmp, EMA))
     save_trainer_state(tmp / "trainer.pt", {**state, "step": step, "rng": rng_state()})
     import yaml
 
@@ -96,13 +101,6 @@ def save_pipeline_checkpoint(trainer) -> Path | None:
 
 def _is_sharded(trainer) -> bool:
     return trainer.fsdp_mode != "none"  # FSDPTrainer: DTensor weights and moments
-
-
-def _saved_names(trainer) -> list[str]:
-    """What a stage saves of its model: every tensor, or under LoRA the adapters alone."""
-    if trainer.lora:
-        return [n for n, p in trainer.model.named_parameters() if p.requires_grad]
-    return list(trainer.model.state_dict())
 
 
 def _whole(tensors: dict, keep: bool) -> dict[str, torch.Tensor]:
@@ -120,7 +118,7 @@ def _stage_files(trainer, keep: bool) -> dict[str, dict | None]:
     """{file name: tensors} of this stage (``keep``: plan rank 0, the others get {}); under FSDP every
     rank of the stage calls it, in one order."""
     model = trainer.model
-    names = set(_saved_names(trainer))
+    names = set(saved_names(trainer.model, trainer.lora))
     if not _is_sharded(trainer):
         if not keep:
             return {}
@@ -141,24 +139,14 @@ def _optimizer_tensors(trainer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     saved = opt.state_dict()["state"]
     out = {}
-    for i, p in enumerate(_ordered_params(opt)):
+    for i, p in enumerate(ordered_params(opt)):
         for key, value in saved.get(i, {}).items():
             out[f"{names[id(p)]}/{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     return out
 
 
 def is_pipeline_checkpoint(step_dir: Path) -> bool:
-    return (step_dir / STAGES).is_dir()
-
-
-def _read(step_dir: Path, file: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for folder in sorted((step_dir / STAGES).iterdir()):
-        if (folder / file).is_file():
-            out.update(load_file(str(folder / file)))
-    return out
+    return checkpoint_format(step_dir).weights == "stages"
 
 
 def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
@@ -170,24 +158,17 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
             f"a pipeline run from its weights with model.pretrained={step_dir / 'model'}"
         )
     model = trainer.model
-    weights = _read(step_dir, MODEL)
-    own = _saved_names(trainer)
-    missing = sorted(set(own) - set(weights))
-    if missing:
-        raise ValueError(
-            f"{step_dir} holds no {missing[0]} (and {len(missing) - 1} more): its stages do not add up to "
-            "this model; resume with the model config it was written with"
-        )
-    weights = {n: weights[n] for n in own}
-    ema = _read(step_dir, EMA) if trainer.ema is not None else {}
+    weights = read_stage_weights(step_dir, model, trainer.lora)
+    ema = read_stage_files(step_dir, EMA) if trainer.ema is not None else {}
     names = {id(p): n for n, p in model.named_parameters()}
-    held = {names[id(p)] for p in _ordered_params(trainer.optimizer)}
-    moments: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> its AdamW state
-    for key, t in _read(step_dir, OPTIM).items():
-        name, _, state_key = key.rpartition("/")
-        if name in held:
-            moments.setdefault(name, {})[state_key] = t
-    (_load_sharded if _is_sharded(trainer) else _load_replicated)(trainer, weights, ema, moments, names)
+    held = {names[id(p)] for p in ordered_params(trainer.optimizer)}
+    moments = read_stage_moments(step_dir, held)
+    if _is_sharded(trainer):
+        _load_sharded(trainer, weights, ema, moments, names)
+    else:
+        load_by_name(model, trainer.ema, trainer.optimizer, weights, ema, moments, trainer.lora)
+        for part in trainer._zero_parts():
+            part.state.clear()  # the live moments are in its inner AdamW (DistributedTrainer.__init__)
     saved = load_trainer_state(step_dir)
     trainer.lr_schedule.load_state_dict(saved["lr_schedule"])
     # the groups' lr is the schedule's last (the fresh optimizer's is the schedule's step-0 value)
@@ -200,26 +181,6 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
         print(f"resumed from {step_dir} at step {trainer.step} (pipeline stages)")
 
 
-def _groups(opt, key) -> list[dict]:
-    """The optimizer's param groups with ``key(parameter)`` in place of each parameter."""
-    return [{**g, "params": [key(p) for p in g["params"]]} for g in opt.param_groups]
-
-
-def _load_replicated(trainer, weights: dict, ema: dict, moments: dict, names: dict) -> None:
-    trainer.model.load_state_dict(weights, strict=not trainer.lora)  # LoRA: the adapters alone
-    if trainer.ema is not None:
-        target = trainer.ema.state if hasattr(trainer.ema, "state") else trainer.ema.model.state_dict()
-        with torch.no_grad():
-            for name, t in target.items():
-                t.copy_(ema.get(name, weights.get(name, t)))  # saved without EMA: start at the weights
-    opt = trainer.optimizer
-    index = {id(p): i for i, p in enumerate(_ordered_params(opt))}
-    state = {index[id(p)]: moments[names[id(p)]] for p in _ordered_params(opt) if names[id(p)] in moments}
-    opt.load_state_dict({"state": state, "param_groups": _groups(opt, lambda p: index[id(p)])})
-    for part in trainer._zero_parts():
-        part.state.clear()  # the live moments are in its inner AdamW (DistributedTrainer.__init__)
-
-
 def _load_sharded(trainer, weights: dict, ema: dict, moments: dict, names: dict) -> None:
     """FSDP: every rank holds the whole tensors and keeps its shards (``load_full_state``)."""
     from dynamic_cp.runtime.fsdp_checkpoint import load_full_state
@@ -228,5 +189,5 @@ def _load_sharded(trainer, weights: dict, ema: dict, moments: dict, names: dict)
     if trainer.ema is not None:  # saved without EMA: start at the weights
         full_ema = {n: ema.get(n, weights.get(n)) for n in trainer.ema.params}
     opt = trainer.optimizer
-    by_name = {"state": moments, "param_groups": _groups(opt, lambda p: names[id(p)])}
+    by_name = {"state": moments, "param_groups": groups_by(opt, lambda p: names[id(p)])}
     load_full_state(trainer.model, opt, trainer.ema, weights, by_name, full_ema)  # no LoRA under FSDP

@@ -1,0 +1,86 @@
+"""A pipeline run's stage files, read by parameter name: what any layout resumes from them.
+
+Each stage of a ``parallel.pp_size > 1`` run writes ``stages/stage_{p}/{model,ema,optim}.safetensors``
+under global names (``dynamic_cp/runtime/pipeline_checkpoint.py``). Names are global and tensors
+whole, so reading every stage's files gives the whole model's weights, EMA and AdamW moments keyed
+by parameter name, with no process group: one process takes them all, a stage or a rank keeps what
+it holds. ``load_by_name`` puts them into a replicated model, its EMA and its optimizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dit.checkpoint_whole import STAGES
+
+MODEL, EMA, OPTIM = "model.safetensors", "ema.safetensors", "optim.safetensors"
+
+
+def read_stage_files(step_dir: Path, file: str) -> dict[str, torch.Tensor]:
+    """{global name: tensor} of ``file`` over every stage of ``step_dir``."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for folder in sorted((step_dir / STAGES).iterdir()):
+        if (folder / file).is_file():
+            out.update(load_file(str(folder / file)))
+    return out
+
+
+def read_stage_moments(step_dir: Path, held: set[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """{parameter name: its AdamW state} of the parameters in ``held`` (the optimizer's own)."""
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in read_stage_files(step_dir, OPTIM).items():
+        name, _, state_key = key.rpartition("/")  # "{parameter name}/{state key}"
+        if name in held:
+            moments.setdefault(name, {})[state_key] = t
+    return moments
+
+
+def saved_names(model: torch.nn.Module, lora: bool) -> list[str]:
+    """What a stage saves of its model: every tensor, or under LoRA the adapters alone."""
+    if lora:
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+    return list(model.state_dict())
+
+
+def read_stage_weights(step_dir: Path, model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
+    """The saved tensors this model holds ({name: tensor}); ValueError where the stages lack one."""
+    weights = read_stage_files(step_dir, MODEL)
+    own = saved_names(model, lora)
+    missing = sorted(set(own) - set(weights))
+    if missing:
+        raise ValueError(
+            f"{step_dir} holds no {missing[0]} (and {len(missing) - 1} more): its stages do not add up to "
+            "this model; resume with the model config it was written with"
+        )
+    return {n: weights[n] for n in own}
+
+
+def ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters in its state dict's index order."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def groups_by(optimizer: torch.optim.Optimizer, key) -> list[dict]:
+    """The optimizer's param groups with ``key(parameter)`` in place of each parameter."""
+    return [{**g, "params": [key(p) for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def load_by_name(model, ema, optimizer, weights: dict, ema_state: dict, moments: dict, lora: bool) -> None:
+    """Weights, EMA and AdamW moments keyed by parameter name into a replicated ``model``, its
+    ``ema`` (an ``EMA``, an ``AdapterEMA`` or None) and ``optimizer`` (its groups' hyperparameters
+    are the live ones; the caller sets the LR from the restored schedule)."""
+    model.load_state_dict(weights, strict=not lora)  # LoRA: the adapters alone
+    if ema is not None:
+        target = ema.state if hasattr(ema, "state") else ema.model.state_dict()
+        with torch.no_grad():
+            for name, t in target.items():
+                t.copy_(ema_state.get(name, weights.get(name, t)))  # saved without EMA: start at the weights
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = ordered_params(optimizer)
+    index = {id(p): i for i, p in enumerate(params)}
+    state = {index[id(p)]: moments[names[id(p)]] for p in params if names[id(p)] in moments}
+    optimizer.load_state_dict({"state": state, "param_groups": groups_by(optimizer, lambda p: index[id(p)])})
