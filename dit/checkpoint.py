@@ -329,9 +329,8 @@ def load_trainer_state(step_dir: Path) -> dict:
     return state
 
 
-def load_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Load a ``save_pretrained`` directory's safetensors (one file or shards) into ``model`` in place,
-    without building a second model."""
+def read_folder(directory: Path) -> dict[str, torch.Tensor]:
+    """{name: tensor} of a ``save_pretrained`` directory's safetensors (one file or shards)."""
     from safetensors.torch import load_file
 
     single = directory / "diffusion_pytorch_model.safetensors"
@@ -349,4 +348,10 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
     state = {}
     for f in files:
         state.update(load_file(f))
-    model.load_state_dict(state)
+    return state
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load a ``save_pretrained`` directory's safetensors (one file or shards) into ``model`` in place,
+    without building a second model."""
+    model.load_state_dict(read_folder(directory))

@@ -4,14 +4,15 @@ command that resumes it, before any file of the run is touched (config.yaml, met
 
 Which layouts read which format (``dit/checkpoint_whole.py``'s ``checkpoint_format``):
 
-| checkpoint            | one process | replicated ranks | FSDP (per_step, per_layer) | pipeline stages |
-|-----------------------|-------------|------------------|----------------------------|-----------------|
-| replicated files      | yes         | yes              | yes                        | no              |
-| FSDP shards (DCP)     | no          | fsdp=auto only   | yes                        | no              |
-| pipeline stage files  | yes         | yes              | yes                        | yes, any size   |
+| checkpoint            | one process | replicated ranks | FSDP (per_step, per_layer) | pipeline stages    |
+|-----------------------|-------------|------------------|----------------------------|--------------------|
+| replicated files      | yes         | yes              | yes (not both experts)     | full weights only  |
+| FSDP shards (DCP)     | no          | fsdp=auto only   | yes                        | no                 |
+| pipeline stage files  | yes         | yes              | yes                        | yes, any pp_size   |
 
 DCP's shards need a process group to be read, which a one-process run has not; a stage reads its
-blocks from stage files alone (``dynamic_cp/runtime/pipeline_checkpoint.py``).
+blocks by parameter name (``dit/checkpoint_by_name.py``) from stage files or a full run's replicated
+files, but not from a LoRA file (diffusers' names) or an expert pair (no pipeline runs two experts).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def reads(fmt: CheckpointFormat, cfg: Config) -> bool:
     if fmt.weights == "stages":
         return True
     if p.mode != "none" and p.pp_size > 1:
-        return False
+        return fmt.weights == "replicated" and not (fmt.lora or fmt.experts)
     if fmt.weights == "dcp":
         return p.mode != "none" and p.fsdp != "none"
     return True

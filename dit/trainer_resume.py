@@ -12,13 +12,10 @@ from pathlib import Path
 import torch
 
 from dit.checkpoint import load_weights
-from dit.checkpoint_stages import (
-    EMA,
+from dit.checkpoint_by_name import (
     load_by_name,
     ordered_params,
-    read_stage_files,
-    read_stage_moments,
-    read_stage_weights,
+    read_by_name,
 )
 from dit.checkpoint_whole import checkpoint_format
 
@@ -35,11 +32,9 @@ def load_checkpoint_tensors(model, ema, optimizer, step_dir: Path, state: dict, 
         )
     if weights == "stages":  # every stage's files, by parameter name
         names = {id(p): n for n, p in model.named_parameters()}
-        moments = read_stage_moments(step_dir, {names[id(p)] for p in ordered_params(optimizer)})
-        ema_state = read_stage_files(step_dir, EMA) if ema is not None else {}
-        load_by_name(
-            model, ema, optimizer, read_stage_weights(step_dir, model, lora), ema_state, moments, lora
-        )
+        held = {names[id(p)] for p in ordered_params(optimizer)}
+        tensors = read_by_name(step_dir, model, lora, held, ema is not None)
+        load_by_name(model, ema, optimizer, *tensors, lora)
         return
     if lora:
         load_adapters(model, ema, step_dir)

@@ -276,8 +276,11 @@ def assert_ema_resumed(res: list[dict], step_dir: Path) -> None:
     the final weights. Bound: lerp(a, b, w) = a + w (b - a) rounds three times, each by at most u of
     max(|a|, |b|); an EMA restarted at the weights instead sits ~lr (1e-3) away."""
     saved = {}
-    for folder in sorted((step_dir / "stages").iterdir()):
-        saved.update(load_file(str(folder / "ema.safetensors")))
+    if (step_dir / "stages").is_dir():
+        for folder in sorted((step_dir / "stages").iterdir()):
+            saved.update(load_file(str(folder / "ema.safetensors")))
+    else:  # a replicated checkpoint's EMA
+        saved = load_file(str(step_dir / "ema" / "diffusion_pytorch_model.safetensors"))
     params, ema = _params_of(res), _params_of(res, ema=True)
     assert ema and ema.keys() <= saved.keys()
     for name, got in ema.items():
@@ -310,13 +313,27 @@ def test_stage_checkpoint_resumes_at_other_pp_sizes(reference, tmp_path):
     assert_ema_resumed(res, step_dir)
 
 
-def _train_one_process(out: str, resume: str) -> dict:
-    """``_train``'s result for one process resuming ``resume`` to step STEPS (the checkpoint replaces
-    every weight, so no perturbation is needed)."""
-    from dit.trainer import Trainer
+def test_one_process_checkpoint_resumes_under_stages(reference, tmp_path):
+    """A one-process (replicated files) checkpoint of step 2 resumed at PP 2 x 2: each stage reads its
+    blocks' weights, EMA and AdamW moments by name (the moments named by the whole model's parameter
+    order) and ends at the single-process weights of 3 steps, its EMA one lerp on. Planted: the moments
+    named in reverse parameter order -> the weights leave the bound."""
+    _train_one_process(str(tmp_path / "one"), None, steps=2)
+    step_dir = tmp_path / "one" / "checkpoints" / "step_000002"
+    res = run_gloo(
+        _train, 4, str(tmp_path / "pp"), {"parallel.pp_size": 2, "train.max_steps": 3}, str(step_dir)
+    )
+    _, ref_params, _ = reference
+    assert_weights_close(_params_of(res), ref_params, "one-process checkpoint resumed at PP 2 x 2")
+    assert_ema_resumed(res, step_dir)
 
-    one = {"parallel.mode": "none", "parallel.pp_size": 1, "parallel.fsdp": "none", "train.max_steps": STEPS}
-    trainer = Trainer(load_config(CONFIG, overrides(out, **one)), resume=resume)
+
+def _train_one_process(out: str, resume: str | None, steps: int = STEPS) -> dict:
+    """``_train``'s result for one process training to ``steps``, from ``resume`` or from the perturbed
+    init (a checkpoint replaces every weight), saving every 2 steps."""
+    one = {"parallel.mode": "none", "parallel.pp_size": 1, "parallel.fsdp": "none", "train.max_steps": steps,
+           "train.checkpoint_every": 2}  # fmt: skip
+    trainer = PerturbedTrainer(load_config(CONFIG, overrides(out, **one)), resume=resume)
     saved, save = [], trainer.save
     trainer.save = lambda: saved.append(save()) or saved[-1]
     trainer.train()

@@ -89,13 +89,16 @@ def test_which_layout_reads_which_format():
     replicated = load_config(TINY, ["parallel.mode=dynamic", "parallel.fsdp=none"])
     pp = load_config(TINY, ["parallel.mode=dynamic", "parallel.pp_size=2"])
     table = {
-        "replicated": (True, True, True, False),
+        "replicated": (True, True, True, True),
         "dcp": (False, True, False, False),
         "stages": (True, True, True, True),
     }
     for weights, want in table.items():
         got = tuple(reads(fmt(weights, False, False), cfg) for cfg in (one, fsdp, replicated, pp))
         assert got == want, weights
+    # a stage reads a LoRA file or an expert pair from stage files only
+    assert not reads(fmt("replicated", True, False), pp) and not reads(fmt("replicated", False, True), pp)
+    assert reads(fmt("replicated", True, False), one) and reads(fmt("replicated", False, True), replicated)
 
 
 def test_changed_keys_names_what_is_learned_and_lets_the_rest_change():

@@ -64,7 +64,7 @@ LAYOUTS = {
 }
 # (format, layout) pairs that continue; every other pair is refused in one line
 CONTINUES = {
-    ("replicated", "one"), ("replicated", "replicated"),
+    ("replicated", "one"), ("replicated", "replicated"), ("replicated", "pp2x2"),
     ("lora", "one"), ("lora", "replicated"),
     ("experts", "one"), ("experts", "replicated"),
     ("stages", "one"), ("stages", "replicated"), ("stages", "pp2x2"),
@@ -159,6 +159,7 @@ def test_every_format_resumes_or_is_refused_under_every_layout(written, tmp_path
         line = str(err.value)
         assert "\n" not in line and "step_000002" in line and "train.py --config" in line, line
         assert ("FSDP shards" if fmt == "fsdp" else "replicated weights") in line, line
+        assert ("LoRA" in line) == (fmt == "lora") and ("both experts" in line) == (fmt == "experts"), line
         assert _files(copy) == before[fmt, layout], f"{fmt} under {layout}: a refused resume changed the run"
         # the same refusal through train.py's command line: one line, exit 2
         assert train.main([*_argv(copy, fmt, layout), "--resume", "auto"]) == 2

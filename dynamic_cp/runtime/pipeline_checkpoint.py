@@ -33,16 +33,15 @@ from dit.checkpoint import (
     save_trainer_state,
     set_rng_state,
 )
-from dit.checkpoint_stages import (
+from dit.checkpoint_by_name import (
     EMA,
     MODEL,
     OPTIM,
     groups_by,
     load_by_name,
     ordered_params,
+    read_by_name,
     read_stage_files,
-    read_stage_moments,
-    read_stage_weights,
     saved_names,
 )
 from dit.checkpoint_whole import STAGES, checkpoint_format
@@ -152,17 +151,17 @@ def is_pipeline_checkpoint(step_dir: Path) -> bool:
 def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
     """Load a stage checkpoint into this rank's model (its stage's part, or the whole model without a
     pipeline; its shards under FSDP), EMA and optimizer; restore the schedule, step and RNG."""
-    if not is_pipeline_checkpoint(step_dir):
-        raise ValueError(
-            f"{step_dir} was written without pipeline stages; resume it with parallel.pp_size=1, or start "
-            f"a pipeline run from its weights with model.pretrained={step_dir / 'model'}"
+    fmt = checkpoint_format(step_dir)
+    if fmt.weights != "stages" and (fmt.weights != "replicated" or fmt.lora or fmt.experts):
+        raise ValueError(  # dit/resume_checks.py refuses it first, naming the command
+            f"{step_dir} holds {fmt}, which pipeline stages cannot load; resume it with "
+            f"parallel.pp_size=1, or start a pipeline run from its weights with model.pretrained="
+            f"{step_dir / 'model'}"
         )
     model = trainer.model
-    weights = read_stage_weights(step_dir, model, trainer.lora)
-    ema = read_stage_files(step_dir, EMA) if trainer.ema is not None else {}
     names = {id(p): n for n, p in model.named_parameters()}
     held = {names[id(p)] for p in ordered_params(trainer.optimizer)}
-    moments = read_stage_moments(step_dir, held)
+    weights, ema, moments = read_by_name(step_dir, model, trainer.lora, held, trainer.ema is not None)
     if _is_sharded(trainer):
         _load_sharded(trainer, weights, ema, moments, names)
     else:
@@ -178,7 +177,7 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
     set_rng_state(saved["rng"])
     trainer._truncate_metrics(trainer.step)
     if trainer.is_main:
-        print(f"resumed from {step_dir} at step {trainer.step} (pipeline stages)")
+        print(f"resumed from {step_dir} at step {trainer.step} (pipeline stages, from {fmt.weights} files)")
 
 
 def _load_sharded(trainer, weights: dict, ema: dict, moments: dict, names: dict) -> None:

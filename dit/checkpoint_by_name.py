@@ -1,10 +1,13 @@
-"""A pipeline run's stage files, read by parameter name: what any layout resumes from them.
+"""A checkpoint's tensors keyed by parameter name: how a layout resumes what another one wrote.
 
 Each stage of a ``parallel.pp_size > 1`` run writes ``stages/stage_{p}/{model,ema,optim}.safetensors``
 under global names (``dynamic_cp/runtime/pipeline_checkpoint.py``). Names are global and tensors
 whole, so reading every stage's files gives the whole model's weights, EMA and AdamW moments keyed
 by parameter name, with no process group: one process takes them all, a stage or a rank keeps what
-it holds. ``load_by_name`` puts them into a replicated model, its EMA and its optimizer.
+it holds. A replicated checkpoint (``model/``, ``ema/``, the optimizer in ``trainer.pt``) reads the
+same way, its moments named by the whole model's parameter order (``read_by_name``), which is how a
+pipeline stage resumes it. ``load_by_name`` puts them into a replicated model, its EMA and its
+optimizer.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from dit.checkpoint_whole import STAGES
+from dit.checkpoint import load_trainer_state, read_folder
+from dit.checkpoint_whole import STAGES, checkpoint_format
 
 MODEL, EMA, OPTIM = "model.safetensors", "ema.safetensors", "optim.safetensors"
 
@@ -57,6 +61,30 @@ def read_stage_weights(step_dir: Path, model: torch.nn.Module, lora: bool) -> di
             "this model; resume with the model config it was written with"
         )
     return {n: weights[n] for n in own}
+
+
+def read_by_name(step_dir: Path, model: torch.nn.Module, lora: bool, held: set[str], ema: bool) -> tuple:
+    """(weights, EMA, moments) of ``step_dir`` keyed by parameter name, for ``model`` (a stage holds
+    part of the whole; ``held``: the names its optimizer holds; ``ema``: whether it keeps one).
+    Stage files of any run, or the replicated files of a full (not LoRA, one-expert) run."""
+    fmt = checkpoint_format(step_dir)
+    if fmt.weights == "stages":
+        ema_state = read_stage_files(step_dir, EMA) if ema else {}
+        return read_stage_weights(step_dir, model, lora), ema_state, read_stage_moments(step_dir, held)
+    assert fmt.weights == "replicated" and not (fmt.lora or fmt.experts or lora), fmt  # resume_checks
+    from dit.model import VideoDiT
+
+    whole = read_folder(step_dir / "model")
+    own = saved_names(model, lora)
+    weights = {n: whole[n] for n in own}
+    ema_state = {}
+    if ema and (step_dir / "ema").is_dir():
+        ema_state = {n: t for n, t in read_folder(step_dir / "ema").items() if n in own}
+    with torch.device("meta"):  # the whole model's parameter order, which indexes the saved optimizer
+        order = [n for n, p in VideoDiT.from_config(model.config).named_parameters() if p.requires_grad]
+    saved = load_trainer_state(step_dir)["optimizer"]["state"]
+    moments = {order[i]: state for i, state in saved.items() if order[i] in held}
+    return weights, ema_state, moments
 
 
 def ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
