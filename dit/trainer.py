@@ -17,7 +17,7 @@ from tqdm import tqdm
 from data.cli import RunStopped
 from data.failures import absorb_worker_failures
 from dit.attention import PackedAttention
-from dit.batching import pack_by_token_budget, step_loader
+from dit.batching import pack_by_token_budget, shut_down_workers, step_loader
 from dit.block_offload import offload_model
 from dit.checkpoint import (
     load_trainer_state,
@@ -441,7 +441,9 @@ class Trainer:
         finally:
             bar.close()
             if hasattr(batches, "close"):
-                batches.close()
+                batches.close()  # DynamicCPBatches: its planning thread and its loader's workers
+            else:
+                shut_down_workers(batches)
             self.tracker.close()
         if self.lora and self.is_main:
             self.export_lora()
