@@ -108,3 +108,12 @@ def shut_down_workers(batches) -> None:
     stop = getattr(batches, "_shutdown_workers", None)  # torch's, which the iterator's __del__ calls
     if stop is not None:
         stop()
+
+
+def close_batches(batches) -> None:
+    """End what an iterator of batches runs: its own close() where it has one (DynamicCPBatches: its
+    planning thread and its loader's workers), else a DataLoader iterator's worker processes."""
+    if hasattr(batches, "close"):
+        batches.close()
+    else:
+        shut_down_workers(batches)
