@@ -229,6 +229,7 @@ def build_cache(
     failures = getattr(dataset, "failures", None)
     build_failed = dict(failures.failed) if failures else {}  # found while building: the same on every rank
     mine = shards.rank_chunks(len(dataset), shard_size, world.rank, world.world_size)
+    rounds = len(shards.rank_chunks(len(dataset), shard_size, 0, world.world_size))  # rank 0 has the most
     reused = encoded = 0
     error = None
     with tqdm(
@@ -236,28 +237,25 @@ def build_cache(
         desc=f"encoding clips (rank 0 of {world.world_size})" if world.world_size > 1 else "encoding clips",
         disable=not progress or world.rank != 0,
     ) as bar:
-        try:
-            for c in mine:
-                items = shards.chunk_items(c, len(dataset), shard_size)
-                if shards.read_shard_record(out, c, digest) is not None:
+        # One sum a round, every rank (one with no chunk left too): a rank that stops (too many
+        # failures, a crash) stops the others after their current chunk, not after their whole share.
+        for c in (mine[k] if k < len(mine) else None for k in range(rounds)):
+            try:
+                items = shards.chunk_items(c, len(dataset), shard_size) if c is not None else ()
+                if items and shards.read_shard_record(out, c, digest) is not None:
                     reused += 1  # written whole by an earlier run with the same settings
                     bar.update(len(items))
-                    continue
-                tensors, samples, failed = encode_chunk(
-                    dataset,
-                    vae,
-                    text_encoder,
-                    items,
-                    dtype=dtype,
-                    vae_batch=vae_batch,
-                    failures=failures,
-                    bar=bar,
-                    image=image,
-                )
-                shards.write_shard(out, c, digest, tensors, samples, failed)
-                encoded += 1
-        except Exception as e:  # every rank must reach the sum below, or the others wait forever
-            error = e
+                elif items:
+                    tensors, samples, failed = encode_chunk(
+                        dataset, vae, text_encoder, items, dtype=dtype, vae_batch=vae_batch,
+                        failures=failures, bar=bar, image=image,
+                    )  # fmt: skip
+                    shards.write_shard(out, c, digest, tensors, samples, failed)
+                    encoded += 1
+            except Exception as e:  # every rank must reach the sums, or the others wait forever
+                error = e
+            if world.sum([int(error is not None)])[0]:
+                break
     num_errors, reused, encoded = world.sum([int(error is not None), reused, encoded])
     if error is not None:
         raise error

@@ -13,7 +13,8 @@ a cache in progress and holds the settings; ``samples.safetensors`` (the columna
 data/cache_index.py) and ``index.json`` (written last, by rank 0) mark it done.
 
 The only collective the layout needs is a sum of a few integers over all processes (``World.sum``):
-it doubles as the barrier before rank 0 merges, and tells every rank whether any rank failed.
+it doubles as the barrier before rank 0 merges, and tells every rank whether any rank failed (once
+per round of chunks while encoding, so one rank's stop stops the others at their next chunk).
 """
 
 from __future__ import annotations

@@ -194,6 +194,13 @@ def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
     wanted = set(indices)
     first, last = min(indices), max(indices)
     got = {}
+    # This read's own colour converter: PyAV's frame.to_ndarray keeps one per thread, whose swscale
+    # slice threads a forked child (a DataLoader worker, a gloo rank) does not inherit, so the child's
+    # first conversion of the same frame size waits for them forever (seen: a rank forked after the
+    # parent had decoded, stuck in avpriv_slicethread_execute at "encoding clips: 0/6").
+    from av.video.reformatter import VideoReformatter  # on first use, as av in _open_av
+
+    rgb = VideoReformatter()
     with _open_av(path) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
@@ -212,7 +219,7 @@ def _read_pyav(path: str, indices: list[int]) -> np.ndarray:
                 frames = enumerate(container.decode(stream))
             for i, frame in frames:
                 if i in wanted:
-                    got[i] = frame.to_ndarray(format="rgb24")
+                    got[i] = rgb.reformat(frame, format="rgb24").to_ndarray()
                 if i >= last:
                     break  # stop at the last frame needed: never decode the rest of the file
         except Exception as e:

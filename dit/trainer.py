@@ -17,7 +17,7 @@ from tqdm import tqdm
 from data.cli import RunStopped
 from data.failures import absorb_worker_failures
 from dit.attention import PackedAttention
-from dit.batching import pack_by_token_budget, step_loader
+from dit.batching import close_batches, pack_by_token_budget, step_loader
 from dit.block_offload import offload_model
 from dit.checkpoint import (
     load_trainer_state,
@@ -424,8 +424,7 @@ class Trainer:
                 self._background.wait()  # the final checkpoint is on disk when train() returns
         finally:
             bar.close()
-            if hasattr(batches, "close"):
-                batches.close()
+            close_batches(batches)  # also when a step raised: a held traceback keeps the iterator
             self.tracker.close()
         if self.lora and self.is_main:
             self.export_lora()

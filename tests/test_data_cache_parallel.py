@@ -158,17 +158,40 @@ def _failing_worker(rank, world_size, argv):
     return "finished"
 
 
-def test_failure_share_is_checked_over_all_ranks_and_every_rank_stops(tmp_path):
-    """Each rank alone stays under max_failure_share (1 broken clip of 6); together they do not (2 of 6)."""
+def _one_clip_shards(tmp_path, broken_at: list[int], max_failure_share: float) -> list[str]:
+    """Arguments of a cache of 6 rows, shards of one clip (chunk i is rank i % 2's), broken files at
+    ``broken_at``; identity VAE and hashed text (no model to load)."""
     clips = make_clips(str(tmp_path / "videos"))
     broken = sorted(p for p in make_broken(str(tmp_path / "videos"), clips[0]) if "zero" not in p)
-    good, bad1, bad2 = (Row(p, "a", VideoInfo(30, 32, 48, 24)) for p in (clips[0], *broken[:2]))
-    # shards of one clip: chunk i is rank i % 2's, so each rank meets one broken file
-    write_manifest([good, bad1, bad2, good, good, good], str(tmp_path / "m.csv"))
+    rows = [Row(clips[0], "a", VideoInfo(30, 32, 48, 24)) for _ in range(6)]
+    for i, path in zip(broken_at, broken):
+        rows[i] = Row(path, "a", VideoInfo(30, 32, 48, 24))
+    write_manifest(rows, str(tmp_path / "m.csv"))
     argv = ["--source", str(tmp_path / "m.csv"), "--vae", "identity", "--text-encoder", "hashed"]
     argv += ["--shard-size", "1", "--option", "vae_stride=[1,1,1]", "--option", "patch=[1,1,1]"]
-    argv += ["--max-frames", "5", "--resolution", "16", "--option", "max_failure_share=0.25"]
+    return argv + [
+        "--max-frames",
+        "5",
+        "--resolution",
+        "16",
+        "--option",
+        f"max_failure_share={max_failure_share}",
+    ]
+
+
+def test_failure_share_is_checked_over_all_ranks_and_every_rank_stops(tmp_path):
+    """Each rank alone stays under max_failure_share (1 broken clip of 6); together they do not (2 of 6)."""
+    argv = _one_clip_shards(tmp_path, broken_at=[1, 2], max_failure_share=0.25)  # one on each rank
     for world_size, out in ((1, "one"), (2, "two")):
         stops = run_gloo(_failing_worker, world_size, argv + ["--out", str(tmp_path / out)], timeout_s=60)
         assert stops[0] == "TooManyFailures" and set(stops[1:]) <= {"RunStopped"}, stops
         assert not os.path.exists(tmp_path / out / "index.json")  # nothing half-done looks finished
+
+
+def test_a_rank_that_stops_stops_the_others_at_their_next_chunk(tmp_path):
+    """Rank 1 stops at its first chunk (1 broken clip of 6, above 10%); rank 0, whose clips are all
+    good, stops after its first chunk too, instead of encoding its whole share (chunks 0, 2, 4).
+    Planted: build_cache summing once after each rank's whole share -> shards 0, 2 and 4 on disk."""
+    argv = _one_clip_shards(tmp_path, broken_at=[1], max_failure_share=0.1) + ["--out", str(tmp_path / "c")]
+    assert run_gloo(_failing_worker, 2, argv, timeout_s=60) == ["RunStopped", "TooManyFailures"]
+    assert sorted(os.listdir(tmp_path / "c")) == ["settings.json", "shard-00000.safetensors"]

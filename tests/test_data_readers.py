@@ -135,3 +135,17 @@ def test_planning_imports_no_video_decoder(tmp_path):
                          env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=240)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"imported at start-up: {out.stdout}"
+
+
+def test_pyav_reads_in_a_process_forked_after_this_one_read(clips):
+    """A DataLoader worker or a gloo rank is forked from a process that may have decoded already: its
+    reads must not reuse the parent's colour converter, whose threads it does not have (issue 58: a
+    rank hung at its first clip). Planted: ``frame.to_ndarray(format="rgb24")`` in ``_read_pyav``, PyAV's
+    per-thread converter -> the child's read never returns and ``get`` times out."""
+    import multiprocessing
+
+    want = read_frames(clips[0], [0, 1], "pyav")  # this process decodes first, as the test before did
+    with multiprocessing.get_context("fork").Pool(1) as child:  # leaving terminates the child
+        # a read takes well under a second; minutes on a loaded host still mean a hang, not slowness
+        got = child.apply_async(read_frames, (clips[0], [0, 1], "pyav")).get(timeout=120)
+    np.testing.assert_array_equal(got, want)

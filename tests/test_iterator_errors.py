@@ -21,9 +21,9 @@ def _clip(index: int, n: int) -> TrainClip:
     return TrainClip(index, torch.zeros(n, 4), torch.zeros(n, 4), 0.5, torch.zeros(n, 3), torch.zeros(2, 8))
 
 
-def _iterate(rank: int, world_size: int, decoded_tokens: list[int]) -> str:
+def _batches(decoded_tokens: list[int], num_workers: int = 0) -> DynamicCPBatches:
     dataset = [{"i": i} for i in range(len(decoded_tokens))]
-    batches = DynamicCPBatches(
+    return DynamicCPBatches(
         dataset,
         list(range(len(dataset))),
         global_batch_size=len(dataset),
@@ -35,7 +35,12 @@ def _iterate(rank: int, world_size: int, decoded_tokens: list[int]) -> str:
         plan_fn=lambda lengths: SimpleNamespace(micro_batches=[((0,), list(range(len(lengths))))]),
         device=torch.device("cpu"),
         plan_ahead=False,
+        num_workers=num_workers,
     )
+
+
+def _iterate(rank: int, world_size: int, decoded_tokens: list[int]) -> str:
+    batches = _batches(decoded_tokens)
     try:
         step = next(batches)
         return f"no error: {[c.num_tokens for _, clips in step.micro_batches for c in clips]}"
@@ -50,3 +55,19 @@ def test_clip_size_differing_from_its_metadata_is_an_error():
     assert consistent == "no error: [12, 12, 12]"
     assert "dataset index 1: meta() promises 12 tokens but the loaded clip has 20" in mismatched
     assert "meta(i) describe the clip after its clip policy" in mismatched  # and says how to fix it
+
+
+def _workers_before_and_after_close(rank: int, world_size: int) -> tuple[int, int]:
+    import multiprocessing
+
+    batches = _batches([12, 12, 12], num_workers=2)
+    next(batches)
+    before = len(multiprocessing.active_children())
+    batches.close()
+    return before, len(multiprocessing.active_children())
+
+
+def test_close_ends_the_loader_workers():
+    """close() ends the DataLoader workers, though the iterator object lives on (issue 58). Planted:
+    DynamicCPBatches.close without ``shut_down_workers`` -> (2, 2)."""
+    assert run_gloo(_workers_before_and_after_close, 1)[0] == (2, 0)

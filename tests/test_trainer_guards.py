@@ -136,3 +136,22 @@ def test_resume_without_ema_starts_the_ema_at_the_resumed_weights(tmp_path):
     trained = [p.detach() for p in trainer.model.parameters()]
     assert all(torch.equal(e, p) for e, p in zip(resumed.ema.model.parameters(), trained))
     assert any(not torch.equal(p, i) for p, i in zip(trained, init))  # so the check above can fail
+
+
+def test_a_failed_run_ends_its_data_loader_workers_with_it(tmp_path):
+    """train() ends its DataLoader workers also when a step raises, although the exception's traceback
+    keeps the iterator alive (issue 58). Planted: the finally of Trainer.train without
+    ``shut_down_workers`` -> the workers still run here."""
+    import multiprocessing
+
+    trainer = _trainer(tmp_path, **{"data.num_workers": 2})
+    seen = []
+
+    def failing(samples):
+        seen.append(len(multiprocessing.active_children()))  # the workers run: the check is not vacuous
+        raise RuntimeError("a step fails on purpose")
+
+    trainer.run_step = failing
+    with pytest.raises(RuntimeError, match="on purpose") as failed:
+        trainer.train()
+    assert seen == [2] and failed.traceback and not multiprocessing.active_children()

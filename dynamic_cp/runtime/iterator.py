@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from dit.batching import GlobalBatchSampler, list_loader
+from dit.batching import GlobalBatchSampler, list_loader, shut_down_workers
 from dit.clips import TrainClip
 from dynamic_cp.planning.plan_types import Plan
 from dynamic_cp.runtime.routing import destinations, route_clips, share_of
@@ -178,3 +178,4 @@ class DynamicCPBatches:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        shut_down_workers(self._samples)

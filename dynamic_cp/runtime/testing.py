@@ -6,6 +6,12 @@ The rendezvous is a FileStore in a fresh temporary directory, so concurrent runs
 port. Processes are forked where the platform allows: they inherit the imported modules (torch,
 diffusers), which otherwise take most of a short test's time to import again in every process. Each process uses one intra-op thread: several processes share few cores, and oversubscribed
 threads make gloo timeouts likely rather than anything faster.
+
+Every process a run starts ends with it, whatever happens to its peers or to the caller: each rank
+leads its own process group (with whatever it starts: DataLoader workers, subprocesses), the first
+rank to fail takes the others down at once, and on the way out, by a return, an exception or an
+interruption of the caller (pytest-timeout, Ctrl-C), every group is SIGKILLed and every rank
+reaped. A rank also dies with the caller's process (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import gc
 import importlib
 import os
 import pickle
+import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -24,7 +32,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent ends: torch's own SIGINT does not stop a rank blocked in C."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _entry(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+    os.setpgid(0, 0)  # its own group: ending the group ends what this rank started too
+    _die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -62,20 +81,76 @@ def run_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) -> 
     gc.freeze()
     with tempfile.TemporaryDirectory() as store_dir:
         try:
-            mp.start_processes(
+            ranks = mp.start_processes(
                 _entry,
                 args=(world_size, store_dir, fn, args, timeout_s),
                 nprocs=world_size,
-                join=True,
+                join=False,
                 start_method=start_method,
             )
         finally:
             gc.unfreeze()
+        try:
+            for p in ranks.processes:
+                _own_group(p.pid)
+            # grace_period=0: the first rank to fail takes the others down now, not after 30 s
+            while not ranks.join(grace_period=0):
+                pass
+        finally:
+            _end(ranks.processes)
         results = []
         for rank in range(world_size):
             with open(os.path.join(store_dir, f"result{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _own_group(pid: int) -> None:
+    """Make rank ``pid`` lead its process group from here on (it does so itself too, first thing, but
+    it may not have run yet)."""
+    try:
+        os.setpgid(pid, pid)
+    except OSError:  # it did already (EACCES after a spawn's exec) or has ended
+        pass
+
+
+def _running_members(groups: set[int]) -> list[int]:
+    """Pids of the processes of ``groups`` that have not ended (zombies have), read from /proc (Linux;
+    elsewhere none are known)."""
+    found = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # not a process, or ended meanwhile
+            continue
+        if state != "Z" and int(group) in groups:
+            found.append(int(entry.name))
+    return found
+
+
+def _end(processes) -> None:
+    """SIGKILL every rank's process group (its DataLoader workers, subprocesses), reap the ranks, and
+    return once no member of a group runs: SIGKILL is delivered after kill() returns, and the orphans
+    are not ours to wait for.
+
+    A group outlives its leader while any member lives, so a dead rank's orphans are still reached. A
+    group id is a rank's pid, which the kernel gives out again only after it has cycled through all
+    (pid_max): no other process's group is hit within one run."""
+    groups = {p.pid for p in processes}
+    while True:
+        for pid in groups:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # no member left
+                pass
+        for p in processes:
+            if p.exitcode is None:  # not in its own group yet
+                p.kill()
+            p.join()
+        if not _running_members(groups):
+            return
+        time.sleep(0.01)
 
 
 def run_gloo_cases(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[str, list]:
