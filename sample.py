@@ -4,7 +4,8 @@
     python sample.py --pretrained Wan2.1-T2V-1.3B-Diffusers --prompts-file queue.jsonl --out clips
     torchrun --nproc_per_node 8 sample.py --pretrained Wan2.1-T2V-14B-Diffusers --prompts-file queue.jsonl
 
-Loads the EMA weights of a run by default. ``--prompts-file`` takes plain text (one prompt a line) or
+Loads a run's EMA weights by default, or its trained weights while the EMA is mostly the starting
+weights (``--weights``, said in one line). ``--prompts-file`` takes plain text (one prompt a line) or
 a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width, steps, guidance,
 guidance_2 (a Wan2.2 A14B folder's low-noise expert: ``--guidance-2``), seed
 and negative_prompt, and image / last_image for image-to-video models (the flags give the rest;
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts-file", help="one prompt a line (.txt), or a .jsonl / .csv queue with per-line settings"
     )
     parser.add_argument(
-        "--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights"
+        "--weights",
+        choices=("auto", "ema", "model"),
+        default="auto",
+        help="a run's EMA (ema), its trained weights (model), or auto (default): the EMA once the "
+        "starting weights are under 10%% of it (step 230 at train.ema_decay 0.99), else model, said in one line",
     )
     parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--height", type=int, default=16)
