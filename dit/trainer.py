@@ -208,6 +208,8 @@ class Trainer:
         return self._tracker
 
     def log(self, record: dict) -> None:
+        if "val_loss" in record and self.is_main:  # to the console too, above the progress bar
+            tqdm.write(f"step {record['step']}: validation loss {record['val_loss']:.4f}")
         self.tracker.log(record)
 
     def write_config(self) -> Path:

@@ -190,7 +190,11 @@ def _what_is_missing(cfg: Config) -> str:
 
 
 def _memory_source(cfg: Config) -> str:
-    return cfg.parallel.hardware if cfg.parallel.memory_gb is None else "parallel.memory_gb"
+    if cfg.parallel.memory_gb is not None:
+        return "parallel.memory_gb"
+    if cfg.parallel.hardware == "auto":  # nothing here was measured, on a CPU-only machine least of all
+        return "an assumed h100: set parallel.hardware or parallel.memory_gb for yours"
+    return cfg.parallel.hardware
 
 
 def _tokens_of(cfg: Config) -> int:

@@ -77,9 +77,9 @@ def test_files_seed_fps_upscale_prompts_file_and_default_out(run_dir, tmp_path):
     names = sorted(p.name for p in out.iterdir())
     # request i takes seed --seed + i; the six hex digits key what made the clip (rerun skips)
     patterns = [r"00_first_seed7_[0-9a-f]{6}\.mp4", r"01_a_blue_square_seed8_[0-9a-f]{6}\.mp4",
-                r"02_a_green_dot_seed9_[0-9a-f]{6}\.mp4", r"grid_seed7\.png"]  # fmt: skip
+                r"02_a_green_dot_seed9_[0-9a-f]{6}\.mp4", r"grid_seed7_[0-9a-f]{6}\.png"]  # fmt: skip
     assert len(names) == 4 and all(re.fullmatch(p, n) for p, n in zip(patterns, names)), names
-    assert imageio.imread(out / "grid_seed7.png").shape == (3 * 16, 16, 3)  # 3 prompts, 8 px x 2
+    assert imageio.imread(out / names[3]).shape == (3 * 16, 16, 3)  # 3 prompts, 8 px x 2
     import av
 
     with av.open(str(out / names[0])) as f:
@@ -215,7 +215,8 @@ def test_the_grid_is_the_written_clips_frames(run_dir, tmp_path, capsys):
     out = tmp_path / "grid"
     flags = ["--frames", "3", "--height", "8", "--width", "8", "--steps", "2", "--grid", "--upscale", "2"]
     assert sample.main(["--checkpoint", str(run_dir), *flags, "--prompt", "a", "--prompt", "b", "--out", str(out)]) == 0  # fmt: skip
-    grid = imageio.imread(out / "grid_seed0.png")
+    (png,) = out.glob("grid_seed0_*.png")
+    grid = imageio.imread(png)
     rows = [np.concatenate(list(imageio.mimread(out / name)), axis=1) for name in _clips(out)]
     assert grid.shape == (2 * 16, 3 * 16, 3)
     np.testing.assert_array_equal(grid, np.concatenate(rows, axis=0))
