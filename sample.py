@@ -4,7 +4,8 @@
     python sample.py --pretrained Wan2.1-T2V-1.3B-Diffusers --prompts-file queue.jsonl --out clips
     torchrun --nproc_per_node 8 sample.py --pretrained Wan2.1-T2V-14B-Diffusers --prompts-file queue.jsonl
 
-Loads the EMA weights of a run by default. ``--prompts-file`` takes plain text (one prompt a line) or
+Loads a run's EMA weights by default, or its trained weights while the EMA is mostly the starting
+weights (``--weights``, said in one line). ``--prompts-file`` takes plain text (one prompt a line) or
 a ``.jsonl`` / ``.csv`` queue whose lines may set prompt, frames, height, width, steps, guidance,
 guidance_2 (a Wan2.2 A14B folder's low-noise expert: ``--guidance-2``), seed
 and negative_prompt, and image / last_image for image-to-video models (the flags give the rest;
@@ -43,11 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts-file", help="one prompt a line (.txt), or a .jsonl / .csv queue with per-line settings"
     )
     parser.add_argument(
-        "--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights"
+        "--weights",
+        choices=("auto", "ema", "model"),
+        default="auto",
+        help="a run's EMA (ema), its trained weights (model), or auto (default): the EMA once the "
+        "starting weights are under 10%% of it (step 230 at train.ema_decay 0.99), else model, said in one line",
     )
-    parser.add_argument("--frames", type=int, default=9)
-    parser.add_argument("--height", type=int, default=16)
-    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--frames", type=int, default=9, help="frames per clip (default 9)")
+    parser.add_argument("--height", type=int, default=16, help="clip height in pixels (default 16)")
+    parser.add_argument("--width", type=int, default=16, help="clip width in pixels (default 16)")
     parser.add_argument("--steps", type=int, default=30, help="Euler steps")
     parser.add_argument(
         "--guidance", type=float, default=4.0, help="classifier-free guidance scale; 1 disables"
@@ -72,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         "a queue line may set its own",
     )
     parser.add_argument("--last-image", default=None, help="last frame for a first-last-frame (FLF2V) model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fps", type=int, default=8)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of request 0; request i takes seed + i (default 0)"
+    )
+    parser.add_argument("--fps", type=int, default=8, help="frame rate written into the mp4s (default 8)")
     parser.add_argument(
         "--upscale",
         type=int,
@@ -213,6 +220,7 @@ def run(args) -> int:
             settings += f"|base={sampler.base_dtype}"
         paths = {r.index: output_path(out, r, settings) for r in requests}
         if os.environ.get("RANK", "0") == "0":  # before any rank writes: others wait for its plan
+            print(describe_queue(sampler.source, requests, shift))
             remove_partials(out)  # what a killed job was writing when it died
         if distributed:
             from dynamic_cp.runtime.sampling import sample_queue_distributed
@@ -252,9 +260,27 @@ def run(args) -> int:
     return 0
 
 
+def describe_queue(source: str, requests, shift: float | None) -> str:
+    """One line: which weights sample what (shapes, steps, guidance, shift, seeds), before the wait."""
+
+    def each(values) -> str:  # every distinct value, or the range of many
+        got = sorted(set(values))
+        return "/".join(map(str, got)) if len(got) <= 3 else f"{got[0]}..{got[-1]} ({len(got)} values)"
+
+    shapes = each(f"{r.frames}x{r.height}x{r.width}" for r in requests)
+    seeds = each(r.seed for r in requests)
+    return (
+        f"sampling {len(requests)} clip(s) with {source}: {shapes} (frames x height x width), "
+        f"{each(r.steps for r in requests)} steps, guidance {each(r.guidance for r in requests)}, "
+        f"shift {'by token count' if shift is None else shift}, seed {seeds}"
+    )
+
+
 def write_grid(out: Path, requests, paths: dict, seed: int) -> None:
     """The PNG of every clip's frames (rows = requests), read back from the mp4s; skipped, with a
     note, when the clips differ in shape."""
+    import hashlib
+
     import imageio.v3 as iio
     import torch
 
@@ -268,7 +294,10 @@ def write_grid(out: Path, requests, paths: dict, seed: int) -> None:
     videos = [
         torch.from_numpy(iio.imread(paths[r.index])).permute(3, 0, 1, 2).float() / 127.5 - 1 for r in requests
     ]
-    print(write_grid_png(frame_grid(videos), out / f"grid_seed{seed}.png"))
+    # named after the clips it shows (their names key every setting), so another queue or setting
+    # into the same --out gets its own grid instead of overwriting the last one
+    key = hashlib.sha1("|".join(Path(paths[r.index]).name for r in requests).encode()).hexdigest()[:6]
+    print(write_grid_png(frame_grid(videos), out / f"grid_seed{seed}_{key}.png"))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,11 @@ def run(args) -> int:
             "run alone into the same output_dir; set parallel.mode=dynamic (or static), or run one process"
         )
     resume = resolve_resume(cfg, args.resume, args.overwrite, args.allow_config_change)
+    is_main = os.environ.get("RANK", "0") == "0"
+    if is_main:  # building the model and data, then step 0's validation, can take minutes
+        print(
+            f"{cfg.output_dir}: building the model and the data ({cfg.data.source}), then step 0", flush=True
+        )
     if cfg.parallel.mode == "none":
         from dit.trainer import Trainer
 
@@ -99,7 +104,22 @@ def run(args) -> int:
         from dynamic_cp.runtime.launch import run_distributed
 
         run_distributed(cfg, resume=resume)
+    if is_main:
+        print(finished(cfg.output_dir))
     return 0
+
+
+def finished(output_dir: str) -> str:
+    """The run's last line: where its checkpoint is and the command that samples it."""
+    from dit.checkpoint_whole import newest_whole_checkpoint
+
+    step_dir = newest_whole_checkpoint(Path(output_dir) / "checkpoints", lambda _: None)
+    if step_dir is None:
+        return f"done: no checkpoint in {output_dir}/checkpoints"
+    return (
+        f"done: checkpoint {step_dir}; sample it with: python sample.py --checkpoint {output_dir} "
+        '--prompt "your caption" --grid'
+    )
 
 
 def resolve_resume(

@@ -37,7 +37,7 @@ from data.cache_dataset import FORMAT, INDEX, VERSION
 from data.cache_shards import LocalWorld, World
 from data.cli import RunStopped, run_cli
 from data.clip_policy import parse_options
-from data.failures import FailureLog
+from data.failures import FailureLog, warnings_above_bars
 from data.image_cond import condition_video
 from data.manifest import MANIFEST_EXTS
 from data.readers import BACKENDS, VideoReadError
@@ -232,11 +232,16 @@ def build_cache(
     rounds = len(shards.rank_chunks(len(dataset), shard_size, 0, world.world_size))  # rank 0 has the most
     reused = encoded = 0
     error = None
-    with tqdm(
-        total=sum(len(shards.chunk_items(c, len(dataset), shard_size)) for c in mine),
-        desc=f"encoding clips (rank 0 of {world.world_size})" if world.world_size > 1 else "encoding clips",
-        disable=not progress or world.rank != 0,
-    ) as bar:
+    with (
+        tqdm(
+            total=sum(len(shards.chunk_items(c, len(dataset), shard_size)) for c in mine),
+            desc=f"encoding clips (rank 0 of {world.world_size})"
+            if world.world_size > 1
+            else "encoding clips",
+            disable=not progress or world.rank != 0,
+        ) as bar,
+        warnings_above_bars(),
+    ):
         # One sum a round, every rank (one with no chunk left too): a rank that stops (too many
         # failures, a crash) stops the others after their current chunk, not after their whole share.
         for c in (mine[k] if k < len(mine) else None for k in range(rounds)):
@@ -435,7 +440,7 @@ def cache_from_args(args, world: World, device) -> dict:
             f"cache: {summary['num_shards']} shards, {summary['reused']} reused from an earlier run, "
             f"{summary['encoded']} encoded now on {world.world_size} process(es) in {summary['seconds']:.1f} s"
         )
-        print(f"wrote {args.out}/{INDEX}")
+        print(f"wrote {os.path.join(args.out, INDEX)}")
     return summary
 
 

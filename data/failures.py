@@ -8,7 +8,10 @@ Two kinds, kept apart because only one of them means the data is broken:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import sys
 from collections import Counter
 
 log = logging.getLogger("data")
@@ -55,12 +58,8 @@ class FailureLog:
 
     def check(self) -> None:
         if self.total and self.share > self.max_failure_share:
-            some = "\n  ".join(f"{p}: {r}" for p, r in list(self.failed.items())[:10])
             raise TooManyFailures(
-                f"{len(self.failed)} of {self.total} files failed ({self.share:.1%}), above "
-                f"max_failure_share={self.max_failure_share:.1%}. First ones:\n  {some}\n"
-                "Fix or remove these files (python -m data.scan rewrites a clean manifest), "
-                "or raise max_failure_share if this share is expected."
+                too_many_failures(len(self.failed), self.total, self.max_failure_share, self.failed)
             )
 
     def counts(self) -> dict[str, Counter]:
@@ -81,6 +80,43 @@ class FailureLog:
         lines += [f"  failed  {p}: {r}" for p, r in self.failed.items()]
         lines += [f"  skipped {p}: {r}" for p, r in self.skipped.items()]
         return "\n".join(lines)
+
+
+class _AboveBars(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)  # clears the bar, writes the line, redraws it
+
+
+@contextlib.contextmanager
+def warnings_above_bars():
+    """While a tqdm bar is drawn, the data log's warnings go through ``tqdm.write`` on their own line
+    instead of being glued to the bar's. Only where nothing else handles them: logging's last-resort
+    handler would print the same message to stderr, but on the bar's line."""
+    if log.hasHandlers():
+        yield
+        return
+    handler = _AboveBars(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
+def too_many_failures(failed: int, total: int, allowed: float, named: dict[str, str], where: str = "") -> str:
+    """One line: how many files failed against ``max_failure_share``, the first ten (each was also
+    logged with its reason), and both fixes, with where the key goes in each command."""
+    share = failed / total
+    enough = math.ceil(share * 20) / 20  # the next multiple of 5% that lets this share through
+    first = ", ".join(f"{p}: {r}" for p, r in list(named.items())[:10])
+    return (
+        f"{failed} of {total} files failed{where} ({share:.1%}), above max_failure_share={allowed:.1%} "
+        f"({first}); fix or remove them (python -m data.scan writes a clean manifest), or allow "
+        f"the share: train.py 'data.options={{max_failure_share: {enough:g}}}', python -m data.cache "
+        f"--option max_failure_share={enough:g}"
+    )
 
 
 def absorb_worker_failures(samples: list[dict], failures: FailureLog | None) -> None:

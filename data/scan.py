@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm import tqdm
 
 from data.cli import add_debug_flag, run_cli
-from data.failures import FailureLog
+from data.failures import FailureLog, warnings_above_bars
 from data.manifest import MANIFEST_EXTS, MISSING_FIX, Row, check_manifest_out, list_folder, write_manifest
 from data.manifest_table import read_manifest
 from data.readers import BACKENDS, VideoReadError, check_backend, probe
@@ -54,7 +54,7 @@ def probe_rows(
         except VideoReadError as e:
             return None, e
 
-    with ThreadPoolExecutor(max(1, num_workers)) as pool:
+    with ThreadPoolExecutor(max(1, num_workers)) as pool, warnings_above_bars():
         results = pool.map(one, todo)
         for row, (info, err) in tqdm(
             zip(todo, results), total=len(todo), desc="probing videos", disable=not progress or not todo

@@ -7,6 +7,7 @@ ValueError that names the dotted field and says what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -308,6 +309,8 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
             pass
     if base in (list, tuple) and isinstance(value, (list, tuple)):
         return list(value)
+    if base is list and isinstance(value, str):  # train.report_to=jsonl means [jsonl]
+        return [value]
     if base in (int, float, str, bool, dict, list) and not isinstance(value, base):
         raise ValueError(f"{where}={value!r} must be of type {base.__name__}")
     if base is int and isinstance(value, bool):
@@ -315,15 +318,19 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls, data: dict, prefix: str = ""):
-    """Build dataclass ``cls`` from nested dicts, rejecting unknown keys by their dotted name."""
+def from_dict(cls, data: dict, prefix: str = "", origin=lambda key: ""):
+    """Build dataclass ``cls`` from nested dicts, rejecting unknown keys by their dotted name (with the
+    nearest valid one, and ``origin(key)``: where a key came from, e.g. `` (in config file my.yaml)``)."""
     if not isinstance(data, dict):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
+        key = f"{prefix}{unknown[0]}"
+        near = difflib.get_close_matches(unknown[0], list(fields), n=1)
         raise ValueError(
-            f"unknown config key {prefix}{unknown[0]}; valid keys here are: {', '.join(sorted(fields))}"
+            f"unknown config key {key}{origin(key)}; valid keys here are: {', '.join(sorted(fields))}"
+            + (f"; did you mean {prefix}{near[0]}?" if near else "")
         )
     if cls is DataConfig and isinstance(data.get("options"), dict) and "backend" in data["options"]:
         # the deprecated alias, resolved here where an explicit data.reader (even 'auto') is visible
@@ -340,9 +347,12 @@ def from_dict(cls, data: dict, prefix: str = ""):
         if optional and value is not None:  # an optional section such as model.lora
             hint = optional[0]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = from_dict(hint, value or {}, f"{prefix}{name}.")
+            kwargs[name] = from_dict(hint, value or {}, f"{prefix}{name}.", origin)
         else:
-            kwargs[name] = _check_type(value, hint, f"{prefix}{name}")
+            try:
+                kwargs[name] = _check_type(value, hint, f"{prefix}{name}")
+            except ValueError as err:
+                raise ValueError(f"{err}{origin(prefix + name)}") from None
     return cls(**kwargs)
 
 
@@ -390,7 +400,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     for item in overrides:
         apply_override(data, item)
-    return from_dict(Config, data)
+    overridden = {item.split("=", 1)[0].strip() for item in overrides}
+    in_file = f" (in config file {path})" if path is not None else ""
+    # a key the file set (not an override) is named with the file, so a typo there is found
+    origin = lambda key: "" if any(key == k or key.startswith(k + ".") for k in overridden) else in_file  # noqa: E731
+    return from_dict(Config, data, origin=origin)
 
 
 def to_dict(config: Config) -> dict:

@@ -4,8 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
+
+# An EMA samples once the weights training started from are under this share of it. After n updates
+# they are decay**n of the average (each update keeps `decay` of it): at decay 0.99 that is 61% after
+# 50 steps, so a short run's EMA samples like its untrained start; this share is reached at step 230.
+READY_SHARE = 0.1
+
+
+def ema_not_ready(decay: float, steps: int) -> str | None:
+    """Why the EMA of ``steps`` updates at ``decay`` does not yet show what was learned, or None."""
+    share = decay**steps
+    if decay <= 0 or share <= READY_SHARE:
+        return None
+    ready = math.ceil(math.log(READY_SHARE) / math.log(decay))
+    return (
+        f"after {steps} steps at train.ema_decay={decay:g} the EMA is still {share:.0%} the starting "
+        f"weights (under {READY_SHARE:.0%} from step {ready})"
+    )
 
 
 class EMA:

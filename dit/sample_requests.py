@@ -107,6 +107,8 @@ def _fields(raw: dict, where: str) -> dict:
 def read_prompts_file(path: str | Path) -> list[tuple[str, dict]]:
     """-> (where, fields) per request of a prompts file, in order; ValueError naming the bad line."""
     path = Path(path)
+    if not path.is_file():  # the flag named, not only the OS's words
+        raise ValueError(f"--prompts-file {path}: no such file; pass a .txt, .jsonl or .csv queue")
     text = path.read_text()
     name = path.name
     if path.suffix == ".jsonl":

@@ -7,6 +7,7 @@ laid out).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,12 +131,16 @@ def load_checkpoint_sampler(
     from dit.setup import build_text_encoder, build_vae
 
     step_dir = resolve_checkpoint(checkpoint)
+    cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
+    quiet = os.environ.get("RANK", "0") != "0"  # under torchrun one rank says which weights
+    weights_kind = choose_weights(
+        step_dir, cfg.train.ema_decay, weights_kind, (lambda _: None) if quiet else print
+    )
     weights = step_dir / weights_kind
     if not weights.is_dir():
         raise ValueError(
             f"{weights} does not exist; this checkpoint has no {weights_kind} weights, try --weights model"
         )
-    cfg = from_dict(Config, yaml.safe_load((step_dir / "config.yaml").read_text()))
     model = load_sampling_model(cfg, weights, lora, lora_scale)
     model = sampling_weights(with_other_expert(cfg, model), dtype)
     model, base_dtype, offloaders, idle_host = place_for_sampling(
@@ -160,6 +165,24 @@ def load_checkpoint_sampler(
         offloaders,
         idle_host,
     )
+
+
+def choose_weights(step_dir: Path, decay: float, kind: str, report=print) -> str:
+    """``--weights``: ``auto`` takes the EMA once it shows what was learned, else the trained weights
+    (``model/``) with one line saying why; ``ema`` while it is young says so too (``ema_not_ready``)."""
+    import re
+
+    from dit.ema import ema_not_ready
+
+    step = re.fullmatch(r"step_(\d+)", step_dir.name)
+    why = ema_not_ready(decay, int(step[1])) if step and (step_dir / "ema").is_dir() else None
+    if kind == "auto":
+        kind = "ema" if (step_dir / "ema").is_dir() and why is None else "model"
+        if why:
+            report(f"sampling model/ (the trained weights), not the EMA: {why}; --weights ema to sample it")
+    elif kind == "ema" and why:
+        report(f"note: {why}, so its clips look like the start's; --weights model samples what was learned")
+    return kind
 
 
 def load_sampling_model(cfg, weights: Path, lora: str | None, lora_scale: float):

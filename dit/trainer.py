@@ -19,26 +19,19 @@ from data.failures import absorb_worker_failures
 from dit.attention import PackedAttention
 from dit.batching import close_batches, pack_by_token_budget, step_loader
 from dit.block_offload import offload_model
-from dit.checkpoint import (
-    load_trainer_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    set_rng_state,
-)
+from dit.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint, set_rng_state
 from dit.clips import TrainClip, micro_batch_loss, prepare_clip, validation_clips
 from dit.compile import compile_blocks
 from dit.config import Config, to_dict
 from dit.device_memory import bar_text, peak_memory, reset_peak
-from dit.ema import EMA, AdapterEMA
+from dit.ema import EMA, AdapterEMA, ema_not_ready
 from dit.expert_offload import idle_expert_host
 from dit.expert_training import expert_optimizers
 from dit.flops import train_step_flops
 from dit.model import VideoDiT
 from dit.optim import build_lr_schedule, build_optimizer, check_optimizer_runs
 from dit.run_dir import truncate_metrics
-from dit.setup import (
-    expert_of,
-)
+from dit.setup import expert_of
 from dit.tracking import Tracker, check_trackers_installed
 from dit.train_setup import (
     blocks_to_offload,
@@ -199,6 +192,8 @@ class Trainer:
         return self._tracker
 
     def log(self, record: dict) -> None:
+        if "val_loss" in record and self.is_main:  # to the console too, above the progress bar
+            tqdm.write(f"step {record['step']}: validation loss {record['val_loss']:.4f}")
         self.tracker.log(record)
 
     def write_config(self) -> Path:
@@ -309,8 +304,9 @@ class Trainer:
     # ----------------------------------------------------------------------------- samples and export
 
     def sampling_weights(self):
-        """Context giving the weights to sample with: the EMA's when there is one."""
-        if self.ema is None:
+        """Context giving the weights to sample with: the EMA's once it shows what was learned (a
+        young one is mostly the starting weights, ``ema_not_ready``), else the live ones."""
+        if self.ema is None or ema_not_ready(self.cfg.train.ema_decay, self.step):
             return contextlib.nullcontext(self.model)
         if self.lora:
             return self.ema.swapped_in(self.model)

@@ -59,4 +59,13 @@ def transformer_folder(path: str | Path, expert: str | None = None) -> Path:
         return path / "transformer"
     if (path / "ema" / "config.json").is_file() or (path / "model" / "config.json").is_file():
         raise ValueError(f"{path} is a training checkpoint; pass {path / 'ema'} or {path / 'model'}")
+    if (path / "checkpoints").is_dir():  # a run directory: named, not followed, since its newest
+        from dit.checkpoint_whole import newest_whole_checkpoint  # checkpoint moves while it trains
+
+        step = newest_whole_checkpoint(path / "checkpoints", lambda _: None)
+        if step is not None:
+            raise ValueError(
+                f"model.pretrained={path} is a training run; pass one checkpoint's weights, e.g. its newest: "
+                f"model.pretrained={step / 'ema'} (or {step / 'model'})"
+            )
     raise ValueError(f"{path} has no config.json (nor transformer/config.json); {DOWNLOAD_HINT}")

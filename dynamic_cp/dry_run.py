@@ -29,7 +29,9 @@ from dynamic_cp.runtime.run_memory import MEMORY_FRACTION
 from dynamic_cp.runtime.step_plans import (
     build_cost_model,
     cap_tokens_of,
+    clip_token_limit,
     cp_sizes_of,
+    largest_cp_of,
     make_plan_fn,
     stage_layers_of,
 )
@@ -81,11 +83,14 @@ def token_stats(lengths: list[int]) -> dict[str, float]:
     }
 
 
-def memory_estimate(cfg: Config, model: VideoDiT, world_size: int, gpu_bytes: float) -> tuple[str, dict]:
+def memory_estimate(
+    cfg: Config, model: VideoDiT, world_size: int, gpu_bytes: float, tokens: int | None = None
+) -> tuple[str, dict]:
     """(fsdp mode, bytes per GPU by part) from the memory model, as the run decides by it
     (``dynamic_cp.runtime.run_memory``): ``parallel.fsdp`` as the launcher resolves it (``auto``: for
     ``gpu_bytes``), the LoRA base as ``model.base_dtype`` stores it and ``model.offload`` places it,
-    and one micro-batch of ``parallel.cap_tokens`` a rank (``train.micro_batch_tokens`` unparallel)."""
+    and one micro-batch of ``tokens`` a rank (default ``parallel.cap_tokens``, ``train.micro_batch_tokens``
+    unparallel; ``rank_tokens`` raises it to the largest clip's share)."""
     from dynamic_cp.runtime.fsdp import auto_fsdp_choice, model_dims_of
     from dynamic_cp.runtime.run_memory import offload_count, run_breakdown
 
@@ -93,7 +98,7 @@ def memory_estimate(cfg: Config, model: VideoDiT, world_size: int, gpu_bytes: fl
     mode = "none" if cfg.parallel.mode == "none" or cfg.model.lora is not None else cfg.parallel.fsdp
     if mode == "auto":
         mode = auto_fsdp_choice(cfg, world_size, gpu_bytes, dims)[0]
-    tokens = _tokens_of(cfg)
+    tokens = _tokens_of(cfg) if tokens is None else tokens
     blocks = offload_count(cfg, world_size, dims, tokens, gpu_bytes)
     m = run_breakdown(cfg, world_size, mode, dims, tokens, blocks)
     parts = {
@@ -110,8 +115,12 @@ def memory_estimate(cfg: Config, model: VideoDiT, world_size: int, gpu_bytes: fl
     return mode, {**parts, "total": m.total, "gpu": gpu_bytes}
 
 
-def echo_memory(cfg: Config, mode: str, mem: dict, echo: Callable[[str], None]) -> None:
-    """The memory estimate's lines: the parts, the experts and the offload, and whether it fits."""
+def echo_memory(
+    cfg: Config, mode: str, mem: dict, echo: Callable[[str], None], tokens: int | None = None
+) -> bool:
+    """The memory estimate's lines at ``tokens`` a rank: the parts, the experts and the offload, and
+    whether it fits (-> True when it does)."""
+    tokens = _tokens_of(cfg) if tokens is None else tokens
     keys = ["weights", "gradients", "optimizer", "ema", "activations"]
     if cfg.model.expert == "both":
         keys += ["idle expert"]
@@ -136,10 +145,34 @@ def echo_memory(cfg: Config, mode: str, mem: dict, echo: Callable[[str], None]) 
     budget = mem["gpu"] * MEMORY_FRACTION
     fit = "fits" if mem["total"] <= budget else "does not fit"
     echo(
-        f"  {fit} in {MEMORY_FRACTION:.0%} of {mem['gpu'] / GB:.0f} GB (estimate) at {_tokens_of(cfg):,} tokens "
+        f"  {fit} in {MEMORY_FRACTION:.0%} of {mem['gpu'] / GB:.0f} GB (estimate) at {tokens:,} tokens "
         f"a rank with {store}"
         + ("" if fit == "fits" else f"; it would run out of memory: {_what_is_missing(cfg)}")
     )
+    return fit == "fits"
+
+
+def rank_tokens(cfg: Config, world_size: int, largest: int) -> int:
+    """Tokens a rank holds at most: the cap, or the largest clip's share of the largest CP group when
+    it is more (a run with ``parallel.mode=none`` trains such a clip alone, whatever the budget)."""
+    cp = largest_cp_of(cfg, world_size)
+    return max(_tokens_of(cfg), -(-largest // cp))
+
+
+def clip_size_problems(cfg: Config, world_size: int, largest: int, dataset) -> list[str]:
+    """A clip larger than one rank (or the largest CP group) holds: the step-0 plan refuses it under
+    Dynamic-CP, and a single process runs it for as long as its attention takes (30M tokens: never
+    returns), so it is a problem in every mode, with the fix for this kind of source."""
+    limit, words = clip_token_limit(cfg, world_size)
+    if largest <= limit:
+        return []
+    if isinstance(dataset, LatentCacheDataset):
+        fix = "re-run python -m data.cache with --resolution, --max-frames, --fps or --max-tokens into a new --out"
+    elif cfg.data.source == "synthetic":
+        fix = "lower data.resolutions or data.frame_counts"
+    else:
+        fix = f"set 'data.options={{max_tokens: {limit}}}' (or resolution, max_frames, fps)"
+    return [f"data: the largest clip has {largest:,} tokens, more than {words}; {fix}, or raise that budget"]
 
 
 def _what_is_missing(cfg: Config) -> str:
@@ -157,7 +190,11 @@ def _what_is_missing(cfg: Config) -> str:
 
 
 def _memory_source(cfg: Config) -> str:
-    return cfg.parallel.hardware if cfg.parallel.memory_gb is None else "parallel.memory_gb"
+    if cfg.parallel.memory_gb is not None:
+        return "parallel.memory_gb"
+    if cfg.parallel.hardware == "auto":  # nothing here was measured, on a CPU-only machine least of all
+        return "an assumed h100: set parallel.hardware or parallel.memory_gb for yours"
+    return cfg.parallel.hardware
 
 
 def _tokens_of(cfg: Config) -> int:
@@ -241,21 +278,24 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
         except ValueError as err:
             problems.append(str(err))
 
-    lengths = None
+    lengths, largest = None, 0
     if "data.source" in " ".join(problems):
         echo("data: skipped (data.source is missing)")
     else:
         try:
             patch = tuple(model.config.patch_size)
-            train_set, train_idx, _, val_idx = build_datasets(cfg.data, patch)
+            train_set, train_idx, val_set, val_idx = build_datasets(cfg.data, patch)
             stride = vae_stride(cfg.data)
             tokens = [clip_tokens(train_set.meta(i), patch, stride) for i in train_idx]
+            val_tokens = [clip_tokens(val_set.meta(i), patch, stride) for i in val_idx]
             st = token_stats(tokens)
             echo(f"data: {len(train_idx)} training clips, {len(val_idx)} validation clips")
             echo(
                 f"tokens per clip: min {st['min']:,} median {st['median']:,.0f} mean {st['mean']:,.0f} "
                 f"p99 {st['p99']:,} max {st['max']:,}; {st['mean'] * cfg.train.global_batch_size:,.0f} per step on average"
             )
+            largest = max(tokens + val_tokens)
+            problems += clip_size_problems(cfg, world_size, largest, train_set)
             channels = getattr(train_set, "latent_channels", None) or (
                 3 if cfg.data.vae == "identity" else None
             )
@@ -285,8 +325,10 @@ def dry_run(cfg: Config, world_size: int = 1, echo: Callable[[str], None] = prin
     cost_model = build_cost_model(cfg, model.config, hardware)
     try:
         gpu = cost_model.hw.memory_bytes if cfg.parallel.memory_gb is None else cfg.parallel.memory_gb * GB
-        mode, mem = memory_estimate(cfg, model, world_size, gpu)
-        echo_memory(cfg, mode, mem, echo)
+        tokens = rank_tokens(cfg, world_size, largest)
+        mode, mem = memory_estimate(cfg, model, world_size, gpu, tokens)
+        if not echo_memory(cfg, mode, mem, echo, tokens):
+            problems.append(f"memory: {_gb(mem['total'])} GB per GPU does not fit; {_what_is_missing(cfg)}")
     except ValueError as err:
         mode = "none"
         problems.append(f"parallel.fsdp: {err}")

@@ -41,7 +41,7 @@ def test_defaults_are_the_documented_ones(parsed):
     code, args, defaults = parsed("--checkpoint", "runs/tiny", "--prompt", "a red circle")
     assert code == 0
     assert vars(args) == dict(
-        checkpoint="runs/tiny", pretrained=None, prompt=["a red circle"], prompts_file=None, weights="ema",
+        checkpoint="runs/tiny", pretrained=None, prompt=["a red circle"], prompts_file=None, weights="auto",
         frames=9, height=16, width=16, steps=30, guidance=4.0, guidance_2=None, shift=None,
         negative_prompt="", image=None, last_image=None, seed=0, fps=8, upscale=1, grid=False, lora=None,
         lora_scale=1.0, out=None, cfg_parallel="auto", memory_gb=None, fsdp="auto", precision="auto",
@@ -140,7 +140,7 @@ def test_help_of_the_flags_the_other_help_tests_leave_out(capsys):
         "first frame for an image-to-video model, or for Wan2.2 TI2V's image-to-video mode (PNG/JPEG); "
         "a queue line may set its own",
         "under torchrun: shard the DiT over all ranks with FSDP2 (per_layer), keep it replicated (none)",
-        "--weights {ema,model}",
+        "--weights {auto,ema,model}",
         "--cfg-parallel {auto,off}",
         "--fsdp {auto,none,per_layer}",
         "--debug",

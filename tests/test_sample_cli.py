@@ -36,6 +36,7 @@ def run_dir(tmp_path_factory):
         for live, ema in zip(trainer.model.parameters(), trainer.ema.model.parameters()):
             live.add_(0.05 * torch.randn_like(live))
             ema.add_(0.05 * torch.randn_like(ema))  # and the EMA weights differ from the live ones
+    trainer.step = 10  # 0.5**10 of the EMA is the start: ready, so --weights auto takes it
     trainer.save()
     return Path(cfg.output_dir)
 
@@ -76,9 +77,9 @@ def test_files_seed_fps_upscale_prompts_file_and_default_out(run_dir, tmp_path):
     names = sorted(p.name for p in out.iterdir())
     # request i takes seed --seed + i; the six hex digits key what made the clip (rerun skips)
     patterns = [r"00_first_seed7_[0-9a-f]{6}\.mp4", r"01_a_blue_square_seed8_[0-9a-f]{6}\.mp4",
-                r"02_a_green_dot_seed9_[0-9a-f]{6}\.mp4", r"grid_seed7\.png"]  # fmt: skip
+                r"02_a_green_dot_seed9_[0-9a-f]{6}\.mp4", r"grid_seed7_[0-9a-f]{6}\.png"]  # fmt: skip
     assert len(names) == 4 and all(re.fullmatch(p, n) for p, n in zip(patterns, names)), names
-    assert imageio.imread(out / "grid_seed7.png").shape == (3 * 16, 16, 3)  # 3 prompts, 8 px x 2
+    assert imageio.imread(out / names[3]).shape == (3 * 16, 16, 3)  # 3 prompts, 8 px x 2
     import av
 
     with av.open(str(out / names[0])) as f:
@@ -101,7 +102,8 @@ def test_mistakes_exit_2_naming_them(run_dir, tmp_path, capsys):
     fails(["--checkpoint", str(run_dir), *SMALL], "no prompt given")
     cfg = load_config(TINY, tiny_overrides(tmp_path, **{"train.ema_decay": 0}))
     Trainer(cfg, device=torch.device("cpu")).save()
-    fails(["--checkpoint", cfg.output_dir, *SMALL, "--prompt", "p"], "no ema weights, try --weights model")
+    no_ema = ["--checkpoint", cfg.output_dir, *SMALL, "--prompt", "p", "--weights", "ema"]
+    fails(no_ema, "no ema weights, try --weights model")
 
 
 def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
@@ -119,7 +121,7 @@ def test_help_names_every_flag_and_keeps_the_usage_example(capsys):
         "one prompt a line (.txt), or a .jsonl / .csv queue with per-line settings",
         "first frame for an image-to-video model",
         "last frame for a first-last-frame (FLF2V) model",
-        "EMA (default) or raw weights",
+        "a run's EMA (ema), its trained weights (model), or auto (default)",
         "Euler steps",
         "classifier-free guidance scale; 1 disables",
         "sigma shift; default: the run's flow.shift, else by token count",
@@ -159,7 +161,7 @@ def test_lora_on_top_is_scaled_by_lora_scale(run_dir, tmp_path):
 
 
 def test_defaults_are_the_documented_ones(run_dir, tmp_path):
-    """--weights ema, --steps 30, --guidance 4, the run's shift, --seed 0, --upscale 1; 9 frames of 16 x 16."""
+    """--weights auto (the EMA, ready here), --steps 30, --guidance 4, the run's shift, --seed 0, --upscale 1; 9 frames of 16 x 16."""
     small = ["--grid", "--frames", "1", "--height", "8", "--width", "8"]  # 30 steps of a 16-token clip
     default = _grid(run_dir, tmp_path, *small)
     explicit = ["--weights", "ema", "--steps", "30", "--guidance", "4", "--shift", "3", "--seed", "0",
@@ -213,7 +215,8 @@ def test_the_grid_is_the_written_clips_frames(run_dir, tmp_path, capsys):
     out = tmp_path / "grid"
     flags = ["--frames", "3", "--height", "8", "--width", "8", "--steps", "2", "--grid", "--upscale", "2"]
     assert sample.main(["--checkpoint", str(run_dir), *flags, "--prompt", "a", "--prompt", "b", "--out", str(out)]) == 0  # fmt: skip
-    grid = imageio.imread(out / "grid_seed0.png")
+    (png,) = out.glob("grid_seed0_*.png")
+    grid = imageio.imread(png)
     rows = [np.concatenate(list(imageio.mimread(out / name)), axis=1) for name in _clips(out)]
     assert grid.shape == (2 * 16, 3 * 16, 3)
     np.testing.assert_array_equal(grid, np.concatenate(rows, axis=0))
@@ -293,6 +296,7 @@ def i2v_run(tmp_path_factory):
 def test_image_and_last_image_reach_every_request(i2v_run, tmp_path, capsys):
     run, (a, b) = i2v_run
     flags = ["--frames", "3", "--height", "8", "--width", "8", "--steps", "2", "--grid", "--guidance", "1"]
+    flags += ["--weights", "ema"]  # the weights moved off zero (at step 0 auto takes model/)
     first = _grid(run, tmp_path, *flags, "--image", a)
     np.testing.assert_array_equal(first, _grid(run, tmp_path, *flags, "--image", a))
     assert not np.array_equal(first, _grid(run, tmp_path, *flags, "--image", b))

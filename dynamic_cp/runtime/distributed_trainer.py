@@ -71,13 +71,16 @@ def check_world_failures(failures, failed_in_world: int) -> None:
     of the clips, so its own log undercounts; every rank gets the same world count from the step's
     all-reduce and so stops at the same step, with no rank left waiting in a collective."""
     if failures.total and failed_in_world / failures.total > failures.max_failure_share:
-        from data.failures import TooManyFailures
+        from data.failures import TooManyFailures, too_many_failures
 
         raise TooManyFailures(
-            f"{failed_in_world} of {failures.total} files failed over all ranks "
-            f"({failed_in_world / failures.total:.1%}), above max_failure_share={failures.max_failure_share:.1%}. "
-            f"This rank's share: {failures.report()}\nFix or remove these files (python -m data.scan rewrites a "
-            "clean manifest), or raise max_failure_share if this share is expected."
+            too_many_failures(
+                failed_in_world,
+                failures.total,
+                failures.max_failure_share,
+                failures.failed,
+                " over all ranks",
+            )
         )
 
 

@@ -43,6 +43,26 @@ def cap_tokens_of(cfg: Config) -> int:
     return cfg.parallel.cap_tokens if cfg.parallel.cap_tokens is not None else cfg.train.micro_batch_tokens
 
 
+def largest_cp_of(cfg: Config, world_size: int) -> int:
+    """The largest CP group one clip may run on (one pipeline stage's ranks); 1 unparallel."""
+    if cfg.parallel.mode == "none":
+        return 1
+    return max(cp_sizes_of(cfg, world_size // max(1, cfg.parallel.pp_size)))
+
+
+def clip_token_limit(cfg: Config, world_size: int) -> tuple[int, str]:
+    """(most tokens one clip may have, that limit in the config's words): the cap of a rank times the
+    largest CP group one pipeline stage allows, the limit the planner enforces at every step; with
+    ``parallel.mode=none``, one rank's micro-batch budget (the trainer runs a larger clip alone, at
+    memory and time the config never priced)."""
+    if cfg.parallel.mode == "none":
+        n = cfg.train.micro_batch_tokens
+        return n, f"one rank holds (train.micro_batch_tokens={n:,})"
+    cp = largest_cp_of(cfg, world_size)
+    key = "parallel.cap_tokens" if cfg.parallel.cap_tokens is not None else "train.micro_batch_tokens"
+    return cap_tokens_of(cfg) * cp, f"the largest CP group holds ({key}={cap_tokens_of(cfg):,} x CP {cp})"
+
+
 def build_cost_model(cfg: Config, model_config, hardware: Hardware | None = None) -> CostModel:
     """Cost model of the configured VideoDiT on ``hardware`` (default: the configured profile; with
     ``parallel.hardware: auto`` the runtime measures one, ``dynamic_cp/runtime/auto_hardware.py``)."""
