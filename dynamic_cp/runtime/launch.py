@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from data.torchrun import leave_torchrun
 from dit.checkpoint import resolve_checkpoint
 from dit.config import Config
 from dynamic_cp.planning.pipeline_stages import check_pipeline
@@ -114,6 +115,7 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
     # start-up's timeout; DistributedTrainer shortens it to parallel.timeout_s after the first step
     device = init_torchrun(startup_timeout(cfg.parallel.timeout_s), flight_recorder_dir=cfg.output_dir)
     try:
-        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
+        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)  # the trainer is dropped
+        dist.barrier()  # no rank closes its sockets while another still works with them
     finally:
-        dist.destroy_process_group()
+        leave_torchrun()
