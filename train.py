@@ -85,7 +85,11 @@ def run(args) -> int:
         )
     resume = resolve_resume(cfg, args.resume, args.overwrite)
     if cfg.parallel.mode == "none":
+        from data.cpu_threads import set_cpu_threads
         from dit.trainer import Trainer
+
+        if note := set_cpu_threads():  # on a loaded CPU: fewer threads than cores (data/cpu_threads.py)
+            print(note, flush=True)
 
         Trainer(cfg, resume=resume).train()
     else:
