@@ -115,7 +115,8 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
     # start-up's timeout; DistributedTrainer shortens it to parallel.timeout_s after the first step
     device = init_torchrun(startup_timeout(cfg.parallel.timeout_s), flight_recorder_dir=cfg.output_dir)
     try:
-        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)  # the trainer is dropped
-        dist.barrier()  # no rank closes its sockets while another still works with them
+        # The trainer is dropped here, so leave_torchrun can free its groups. No barrier first: rank 0
+        # may still be writing an async checkpoint for longer than parallel.timeout_s.
+        train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
     finally:
         leave_torchrun()
