@@ -195,6 +195,10 @@ def run(args) -> int:
 
         world = sampling_world()  # joins torchrun's process group; left on exit
     else:
+        from data.cpu_threads import set_cpu_threads
+
+        if note := set_cpu_threads():  # on a loaded CPU: fewer threads than cores (data/cpu_threads.py)
+            print(note, flush=True)
         world = contextlib.nullcontext(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     with world as device:
         # under torchrun the DiT waits on the CPU until the plan says replicated or sharded

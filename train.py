@@ -97,7 +97,11 @@ def run(args) -> int:
             f"{cfg.output_dir}: building the model and the data ({cfg.data.source}), then step 0", flush=True
         )
     if cfg.parallel.mode == "none":
+        from data.cpu_threads import set_cpu_threads
         from dit.trainer import Trainer
+
+        if note := set_cpu_threads():  # on a loaded CPU: fewer threads than cores (data/cpu_threads.py)
+            print(note, flush=True)
 
         Trainer(cfg, resume=resume).train()
     else:

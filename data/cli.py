@@ -9,7 +9,11 @@ can import it without a cycle.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+import traceback
 from collections.abc import Callable
 
 from data.failures import TooManyFailures
@@ -50,6 +54,30 @@ def message(err: BaseException) -> str:
     return text.strip()
 
 
+def record_for_torchrun(text: str, callstack: str | None = None) -> None:
+    """Write ``text`` to torchelastic's error file, so torchrun's summary shows it as the root cause
+    (instead of ``error_file: <N/A>``). torchrun names one file per worker in TORCHELASTIC_ERROR_FILE;
+    outside torchrun there is none and this does nothing. The format is the one torch's own
+    ``ErrorHandler.record_exception`` writes; torchrun prints ``py_callstack``, so a user error puts
+    its one line there rather than a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"py_callstack": callstack or text, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": extra}}, f)
+    except OSError:
+        pass  # the error itself still reaches stderr and the exit code; this file is a courtesy
+
+
+def says_errors() -> bool:
+    """Whether this process prints a user error. Under torchrun every rank usually meets the same
+    mistake: rank 0 says it once, and every rank records it in its error file, so a rank that fails
+    alone is still named in torchrun's summary. Without torchrun's error file every process prints."""
+    return not os.environ.get("TORCHELASTIC_ERROR_FILE") or os.environ.get("RANK", "0") == "0"
+
+
 def run_cli(body: Callable[[], int], debug: bool = False) -> int:
     """Run a command line's ``body``; a user error becomes one message on stderr and exit code 2."""
     try:
@@ -57,10 +85,16 @@ def run_cli(body: Callable[[], int], debug: bool = False) -> int:
     except USER_ERRORS as err:
         if debug:
             raise
-        print(f"error: {message(err)}", file=sys.stderr)
+        text = f"error: {message(err)}"
+        record_for_torchrun(text)
+        if says_errors():
+            print(text, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
             raise
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a bug: its traceback goes to stderr as before, and to torchrun's summary
+        record_for_torchrun(f"{type(err).__name__}: {err}", traceback.format_exc())
+        raise

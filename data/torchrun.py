@@ -5,10 +5,13 @@ trainer does and ``data/`` imports nothing above it. Which groups a run builds o
 ``dynamic_cp``'s business; the trainer adds NCCL's flight recorder (``dynamic_cp/runtime/torchrun.py``).
 
 device = join_torchrun()   # nccl and cuda:LOCAL_RANK with GPUs, gloo and cpu without
+...
+leave_torchrun()           # every group's threads and sockets closed before the process exits
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -52,3 +55,18 @@ def init_world(backend: str, timeout) -> None:
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
     )
+
+
+def leave_torchrun() -> None:
+    """Destroy every process group and free it now, while the interpreter is whole.
+
+    ``destroy_process_group`` only unregisters the groups: a group's gloo threads and sockets live as
+    long as its Python object, and a trainer's reference cycles keep those until the interpreter's
+    final collection. Seen after train.py's main had returned on a 3-rank dynamic run: ranks 0 and 1
+    still ran two groups' gloo threads (``gloo_tcp_loop``, ``pt_gloo_runloop``), rank 2 one. They were
+    then torn down while Python finalized and the C++ runtime ran its exit handlers, as the peers
+    exited and closed their ends of the same sockets: 1 in 15 finished runs ended with SIGABRT on
+    one rank (issue 54). A collection here joins those threads before anything else ends; the caller
+    must hold no reference to a group (a trainer, a plan's CP groups) by then."""
+    dist.destroy_process_group()
+    gc.collect()

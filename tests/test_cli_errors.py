@@ -226,3 +226,28 @@ def test_train_refuses_lora_on_an_untrained_base(tmp_path, capfd, extra):
     assert _main("train", ["--config", TINY, *over], capfd).returncode == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["grad_norm"] > 0 for r in rows if "loss" in r] == [True]
+
+
+def test_run_cli_under_torchrun_says_it_once_and_records_it(tmp_path, monkeypatch, capsys):
+    """torchrun names each worker's error file in TORCHELASTIC_ERROR_FILE: every rank records the line
+    there (torchrun's summary shows it as the root cause), only rank 0 prints it. Planted: the error
+    file left unwritten, and every rank printing -> this test fails (and tests/test_torchrun_errors.py)."""
+    from data.cli import run_cli
+
+    def bad():
+        raise ValueError("parallel.static_cp_size=3 must divide the number of ranks (2)")
+
+    line = "error: parallel.static_cp_size=3 must divide the number of ranks (2)"
+    for rank, printed in (("0", line + "\n"), ("1", "")):
+        error_file = tmp_path / f"error{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        monkeypatch.setenv("RANK", rank)
+        assert run_cli(bad) == 2
+        assert capsys.readouterr().err == printed
+        recorded = json.loads(error_file.read_text())["message"]
+        assert recorded["message"] == recorded["extraInfo"]["py_callstack"] == line
+    with pytest.raises(KeyError):  # a bug: raised as before, its traceback recorded for torchrun's summary
+        run_cli(lambda: {}["missing"])
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "KeyError: 'missing'"
+    assert "Traceback" in recorded["extraInfo"]["py_callstack"]

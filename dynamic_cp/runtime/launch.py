@@ -14,11 +14,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from data.torchrun import leave_torchrun
 from dit.checkpoint import resolve_checkpoint
 from dit.config import Config
+from dynamic_cp.planning.pipeline_stages import check_pipeline
 from dynamic_cp.runtime.distributed_trainer import DistributedTrainer
-from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, resolve_fsdp_mode
+from dynamic_cp.runtime.fsdp import auto_fsdp_choice, memory_per_rank, model_dims_of, resolve_fsdp_mode
 from dynamic_cp.runtime.fsdp_trainer import FSDPTrainer
+from dynamic_cp.runtime.pipeline import check_pipeline_options
+from dynamic_cp.runtime.step_plans import cp_sizes_of, stage_layers_of
 from dynamic_cp.runtime.timeouts import startup_timeout
 from dynamic_cp.runtime.torchrun import init_torchrun
 
@@ -84,6 +88,22 @@ def train_distributed(
     return trainer
 
 
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The checks that need only the number of ranks: pipeline stages, CP sizes, the weight-sharding
+    mode. Run before any process group starts, so a mistake stops every rank at once with its one
+    line, before minutes of start-up and with no collective left waiting for a rank that quit."""
+    p = cfg.parallel
+    dims = model_dims_of(cfg)
+    check_pipeline(world_size, p.pp_size, dims.layers)
+    plan_size = world_size // p.pp_size  # the ranks each stage's plan spreads clips over
+    if p.pp_size > 1:
+        check_pipeline_options(cfg)
+        stage_layers_of(cfg, dims)
+    cp_sizes_of(cfg, plan_size)
+    if p.fsdp != "auto":  # 'auto' is chosen from every rank's memory, after the process group starts
+        resolve_fsdp_mode(cfg, world_size)
+
+
 def run_distributed(cfg: Config, resume: str | None = None) -> None:
     """Entry point of ``train.py`` for parallel.mode != 'none': one process per rank, from torchrun."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -91,9 +111,12 @@ def run_distributed(cfg: Config, resume: str | None = None) -> None:
             f"parallel.mode={cfg.parallel.mode} needs one process per rank: launch with "
             "`torchrun --nproc_per_node=N train.py ...` (or set parallel.mode=none for one process)"
         )
+    check_world_size(cfg, int(os.environ["WORLD_SIZE"]))
     # start-up's timeout; DistributedTrainer shortens it to parallel.timeout_s after the first step
     device = init_torchrun(startup_timeout(cfg.parallel.timeout_s), flight_recorder_dir=cfg.output_dir)
     try:
+        # The trainer is dropped here, so leave_torchrun can free its groups. No barrier first: rank 0
+        # may still be writing an async checkpoint for longer than parallel.timeout_s.
         train_distributed(cfg, dist.group.WORLD, resume=resume, device=device)
     finally:
-        dist.destroy_process_group()
+        leave_torchrun()
