@@ -5,6 +5,11 @@ import torch
 
 # Two cores: one thread per process keeps spawned-process tests from oversubscribing them.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# ...and it stays so: train.main and sample.main, called in this process, would otherwise choose
+# their threads from the machine's load (data/cpu_threads.py), so a reference run and the run compared
+# with it bitwise could compute with different thread counts. OMP_NUM_THREADS is the user's choice
+# they keep; spawned commands inherit it (tests that need 1, as torchrun sets, still set it).
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def tiny_overrides(tmp_path, **extra) -> list[str]:
