@@ -33,13 +33,12 @@ def read_stage_files(step_dir: Path, file: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_stage_moments(step_dir: Path, held: set[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """{parameter name: its AdamW state} of the parameters in ``held`` (the optimizer's own)."""
+def read_stage_moments(step_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{parameter name: its AdamW state} of every parameter the stages saved."""
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in read_stage_files(step_dir, OPTIM).items():
         name, _, state_key = key.rpartition("/")  # "{parameter name}/{state key}"
-        if name in held:
-            moments.setdefault(name, {})[state_key] = t
+        moments.setdefault(name, {})[state_key] = t
     return moments
 
 
@@ -63,14 +62,15 @@ def read_stage_weights(step_dir: Path, model: torch.nn.Module, lora: bool) -> di
     return {n: weights[n] for n in own}
 
 
-def read_by_name(step_dir: Path, model: torch.nn.Module, lora: bool, held: set[str], ema: bool) -> tuple:
+def read_by_name(step_dir: Path, model: torch.nn.Module, lora: bool, ema: bool) -> tuple:
     """(weights, EMA, moments) of ``step_dir`` keyed by parameter name, for ``model`` (a stage holds
-    part of the whole; ``held``: the names its optimizer holds; ``ema``: whether it keeps one).
+    part of the whole: its weights and EMA are kept, the moments of every saved parameter come back;
+    ``ema``: whether it keeps one).
     Stage files of any run, or the replicated files of a full (not LoRA, one-expert) run."""
     fmt = checkpoint_format(step_dir)
     if fmt.weights == "stages":
         ema_state = read_stage_files(step_dir, EMA) if ema else {}
-        return read_stage_weights(step_dir, model, lora), ema_state, read_stage_moments(step_dir, held)
+        return read_stage_weights(step_dir, model, lora), ema_state, read_stage_moments(step_dir)
     assert fmt.weights == "replicated" and not (fmt.lora or fmt.experts or lora), fmt  # resume_checks
     from dit.model import VideoDiT
 
@@ -83,7 +83,7 @@ def read_by_name(step_dir: Path, model: torch.nn.Module, lora: bool, held: set[s
     with torch.device("meta"):  # the whole model's parameter order, which indexes the saved optimizer
         order = [n for n, p in VideoDiT.from_config(model.config).named_parameters() if p.requires_grad]
     saved = load_trainer_state(step_dir)["optimizer"]["state"]
-    moments = {order[i]: state for i, state in saved.items() if order[i] in held}
+    moments = {order[i]: state for i, state in saved.items()}
     return weights, ema_state, moments
 
 

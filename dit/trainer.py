@@ -308,6 +308,10 @@ class Trainer:
         young one is mostly the starting weights, ``ema_not_ready``), else the live ones."""
         if self.ema is None or ema_not_ready(self.cfg.train.ema_decay, self.step):
             return contextlib.nullcontext(self.model)
+        return self.ema_weights()
+
+    def ema_weights(self):
+        """Context giving the EMA's weights (under LoRA its adapters swapped in): what the run exports."""
         if self.lora:
             return self.ema.swapped_in(self.model)
         return contextlib.nullcontext(self.ema.model)

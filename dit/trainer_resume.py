@@ -14,7 +14,6 @@ import torch
 from dit.checkpoint import load_weights
 from dit.checkpoint_by_name import (
     load_by_name,
-    ordered_params,
     read_by_name,
 )
 from dit.checkpoint_whole import checkpoint_format
@@ -31,10 +30,7 @@ def load_checkpoint_tensors(model, ema, optimizer, step_dir: Path, state: dict, 
             f"number of ranks), or start a new run from its weights with model.pretrained={step_dir / 'model'}"
         )
     if weights == "stages":  # every stage's files, by parameter name
-        names = {id(p): n for n, p in model.named_parameters()}
-        held = {names[id(p)] for p in ordered_params(optimizer)}
-        tensors = read_by_name(step_dir, model, lora, held, ema is not None)
-        load_by_name(model, ema, optimizer, *tensors, lora)
+        load_by_name(model, ema, optimizer, *read_by_name(step_dir, model, lora, ema is not None), lora)
         return
     if lora:
         load_adapters(model, ema, step_dir)

@@ -152,16 +152,20 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
     """Load a stage checkpoint into this rank's model (its stage's part, or the whole model without a
     pipeline; its shards under FSDP), EMA and optimizer; restore the schedule, step and RNG."""
     fmt = checkpoint_format(step_dir)
-    if fmt.weights != "stages" and (fmt.weights != "replicated" or fmt.lora or fmt.experts):
-        raise ValueError(  # dit/resume_checks.py refuses it first, naming the command
-            f"{step_dir} holds {fmt}, which pipeline stages cannot load; resume it with "
-            f"parallel.pp_size=1, or start a pipeline run from its weights with model.pretrained="
-            f"{step_dir / 'model'}"
+    full_files = (
+        fmt.weights == "replicated" and not (fmt.lora or fmt.experts) and (step_dir / "model").is_dir()
+    )
+    if fmt.weights != "stages" and not full_files:  # dit/resume_checks.py refuses it first, with the command
+        raise ValueError(
+            f"{step_dir} was written without pipeline stages; resume it with parallel.pp_size=1 (stages read "
+            f"{fmt} only from a full run's replicated files), or start a pipeline run from its weights "
+            f"with model.pretrained={step_dir / 'model'}"
         )
     model = trainer.model
     names = {id(p): n for n, p in model.named_parameters()}
+    weights, ema, moments = read_by_name(step_dir, model, trainer.lora, trainer.ema is not None)
     held = {names[id(p)] for p in ordered_params(trainer.optimizer)}
-    weights, ema, moments = read_by_name(step_dir, model, trainer.lora, held, trainer.ema is not None)
+    moments = {n: m for n, m in moments.items() if n in held}  # a stage's optimizer holds its blocks'
     if _is_sharded(trainer):
         _load_sharded(trainer, weights, ema, moments, names)
     else:
