@@ -52,3 +52,11 @@ def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError, match="'FluxTransformer2DModel'; the model families know: Hunyuan"):
         family_of_config({"_class_name": "FluxTransformer2DModel"})
     assert sorted(FAMILIES) == ["hunyuan-video15", "wan"]
+
+
+def test_families_are_read_only_declarations():
+    """One Family object is shared by every reader: none may change it for the others."""
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        get_family("wan").blocks_attr = "layers"

@@ -24,6 +24,7 @@ TINY = dict(
     text_embed_2_dim=5,
     image_embed_dim=4,
     rope_axes_dim=(2, 2, 2),
+    mlp_ratio=2.0,  # not the default 4: the MLP widths must follow the config
 )
 
 
@@ -60,6 +61,24 @@ def test_state_dict_loads_back_into_diffusers_unchanged():
     for name, tensor in ref.state_dict().items():
         assert torch.equal(tensor, ours.state_dict()[name]), name
     assert dict(ours.config) == {**dict(ref.config)}  # the same fields and values: config.json maps 1:1
+
+
+def test_defaults_and_norm_epsilons_are_diffusers():
+    """The default config is the released model's, and every norm has diffusers' epsilon (1e-6; the
+    torch defaults, 1e-5 for LayerNorm and fp32 epsilon for RMSNorm, would differ by ~1e-6 only)."""
+    import inspect
+
+    def defaults(cls):
+        return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+
+    assert defaults(HunyuanVideo15DiT) == defaults(HunyuanVideo15Transformer3DModel)
+    torch.manual_seed(0)
+    ours, ref = HunyuanVideo15DiT(**TINY), HunyuanVideo15Transformer3DModel(**TINY)
+    ref_modules = dict(ref.named_modules())
+    norms = [(n, m) for n, m in ours.named_modules() if hasattr(m, "eps") and not hasattr(m, "linear")]
+    assert len(norms) > 10
+    for name, module in norms:
+        assert module.eps == ref_modules[name].eps, name
 
 
 def test_joint_layout_puts_each_clips_context_after_its_video():

@@ -103,12 +103,12 @@ class RefinerBlock(nn.Module):
     """One block of the MLLM token refiner: self-attention among a clip's valid MLLM tokens and a
     SiLU MLP, each gated per clip from the refiner's own (time + pooled text) embedding."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float):
+    def __init__(self, dim: int, heads: int):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=EPS)
         self.attn = HunyuanAttention(dim, heads, qk_norm=False, added=False)
         self.norm2 = nn.LayerNorm(dim, eps=EPS)
-        self.ff = FeedForward(dim, mult=mlp_ratio, activation_fn="linear-silu")
+        self.ff = FeedForward(dim, activation_fn="linear-silu")  # 4x wide whatever mlp_ratio, as diffusers
         self.norm_out = HunyuanVideo15AdaNorm(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -126,16 +126,14 @@ class TokenRefiner(nn.Module):
     """diffusers' ``HunyuanVideo15TokenRefiner`` on packed prompts: the pooled prompt is the mean of
     its valid tokens, and attention stays inside each prompt's valid tokens."""
 
-    def __init__(self, in_dim: int, dim: int, heads: int, num_layers: int, mlp_ratio: float = 4.0):
+    def __init__(self, in_dim: int, dim: int, heads: int, num_layers: int):
         super().__init__()
         self.time_text_embed = CombinedTimestepTextProjEmbeddings(
             embedding_dim=dim, pooled_projection_dim=in_dim
         )
         self.proj_in = nn.Linear(in_dim, dim)
         self.token_refiner = nn.Module()
-        self.token_refiner.refiner_blocks = nn.ModuleList(
-            RefinerBlock(dim, heads, mlp_ratio) for _ in range(num_layers)
-        )
+        self.token_refiner.refiner_blocks = nn.ModuleList(RefinerBlock(dim, heads) for _ in range(num_layers))
 
     def forward(self, text: torch.Tensor, lens: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """text (t, in_dim), lens (b,), timesteps (b,) -> (t, D)."""
