@@ -57,15 +57,26 @@ def eager_attention(attention: AttentionFn, *args) -> torch.Tensor:
 class RotaryEmbedding3D(nn.Module):
     """Wan's 3D RoPE, indexed by each token's global (t, h, w) position instead of a dense grid.
 
-    The head dim is split into t, h, w parts (h = w = 2 * (d // 6), t takes the rest); every part
-    rotates adjacent channel pairs. Indexing by position is what lets a CP shard, or a packed clip,
-    get exactly the rotation it would get in the full, unpacked clip.
+    The head dim is split into t, h, w parts (Wan: h = w = 2 * (d // 6), t takes the rest; ``axes``
+    gives them instead, as HunyuanVideo-1.5's ``rope_axes_dim``); every part rotates adjacent channel
+    pairs. Indexing by position is what lets a CP shard, or a packed clip, get exactly the rotation it
+    would get in the full, unpacked clip.
     """
 
-    def __init__(self, head_dim: int, max_positions: int = 1024, theta: float = 10000.0):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int = 1024,
+        theta: float = 10000.0,
+        axes: tuple[int, int, int] | None = None,
+    ):
         super().__init__()
         h_dim = w_dim = 2 * (head_dim // 6)
-        self.split = (head_dim - h_dim - w_dim, h_dim, w_dim)
+        self.split = tuple(axes) if axes is not None else (head_dim - h_dim - w_dim, h_dim, w_dim)
+        if axes is not None and (sum(self.split) != head_dim or any(a % 2 for a in self.split)):
+            raise ValueError(
+                f"rope axes {self.split} must be even and sum to the head dim {head_dim} (t, h, w parts)"
+            )
         cos, sin = [], []
         for dim in self.split:
             c, s = get_1d_rotary_pos_embed(

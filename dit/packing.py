@@ -100,3 +100,29 @@ def local_seq_lens(seq_lens: torch.Tensor | list[int], start: int, end: int) -> 
     return (
         torch.minimum(clip_end, torch.tensor(end)) - torch.maximum(clip_start, torch.tensor(start))
     ).clamp(min=0)
+
+
+def interleave_index(lens: torch.Tensor) -> torch.Tensor:
+    """(k, b) lengths of k packed parts -> (total,) rows of ``torch.cat(parts)`` in clip-major order.
+
+    Part j is itself packed clip by clip (clip i holds ``lens[j, i]`` rows of it). Concatenated, the
+    parts are part-major: all of part 0, then all of part 1. Indexed by this, the rows become clip
+    i's rows of part 0, then of part 1, ..., then clip i + 1's: each clip's rows of every part form
+    one contiguous segment (HunyuanVideo-1.5's joint video + context sequence). The inverse
+    permutation (``inverse_index``) takes them back.
+    """
+    lens = torch.as_tensor(lens, dtype=torch.long)
+    k, b = lens.shape
+    starts = (torch.cumsum(lens.flatten(), 0) - lens.flatten()).view(k, b)  # each run's first row
+    run_lens, run_starts = lens.t().flatten(), starts.t().flatten()  # runs in clip-major order (b*k,)
+    total = int(run_lens.sum())
+    run = torch.repeat_interleave(torch.arange(b * k), run_lens, output_size=total)  # (total,)
+    within = torch.arange(total) - (torch.cumsum(run_lens, 0) - run_lens)[run]
+    return run_starts[run] + within
+
+
+def inverse_index(index: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``index``: ``x[index][inverse_index(index)] == x``."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse

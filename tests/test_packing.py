@@ -60,3 +60,15 @@ def test_local_seq_lens_counts_each_clips_tokens_inside_a_range():
     assert local_seq_lens(torch.tensor(lens), 0, 10).tolist() == lens
     assert local_seq_lens(lens, 4, 4).tolist() == [0, 0, 0, 0]
     assert local_seq_lens(lens, 8, 10).tolist() == [0, 0, 0, 2]
+
+
+def test_interleave_index_makes_each_clips_parts_contiguous():
+    """Parts packed clip by clip, concatenated part-major, become one segment per clip; empty runs too."""
+    from dit.packing import interleave_index, inverse_index
+
+    lens = torch.tensor([[2, 0, 1], [1, 3, 0]])  # part 0: clips of 2, 0, 1 rows; part 1: 1, 3, 0
+    rows = torch.cat([torch.tensor([10, 11, 12]), torch.tensor([20, 21, 22, 23])])  # 1x: part 0, 2x: part 1
+    index = interleave_index(lens)
+    assert rows[index].tolist() == [10, 11, 20, 21, 22, 23, 12]
+    assert torch.equal(rows[index][inverse_index(index)], rows)
+    assert interleave_index(torch.zeros(2, 3, dtype=torch.long)).tolist() == []

@@ -73,6 +73,15 @@ TARGETS: dict[str, list[str]] = {
     "dynamic_cp/attention/sharding.py": ["tests/test_sharding.py"],
     "dit/packing.py": ["tests/test_packing.py"],
     "dit/flow.py": ["tests/test_flow.py"],
+    "dit/families/hunyuan_video15/model.py": [
+        "tests/test_hunyuan_video15_parity.py",
+        "tests/test_hunyuan_video15_model.py",
+    ],
+    "dit/families/hunyuan_video15/layers.py": [
+        "tests/test_hunyuan_video15_parity.py",
+        "tests/test_hunyuan_video15_model.py",
+    ],
+    "dit/families/registry.py": ["tests/test_families.py"],
     "dit/checkpoint.py": ["tests/test_checkpoint.py"],
     "dynamic_cp/planning/rounds.py": ["tests/test_rounds.py", "tests/test_fsdp_planning.py"],
     "dynamic_cp/planning/rounds_planner.py": [

@@ -1,0 +1,1 @@
+"""Model families: what each transformer family declares for the rest of the stack (``registry``)."""
