@@ -62,10 +62,13 @@ def read_stage_weights(step_dir: Path, model: torch.nn.Module, lora: bool) -> di
     return {n: weights[n] for n in own}
 
 
-def read_by_name(step_dir: Path, model: torch.nn.Module, lora: bool, ema: bool) -> tuple:
+def read_by_name(
+    step_dir: Path, model: torch.nn.Module, lora: bool, ema: bool, trainer_state: dict | None = None
+) -> tuple:
     """(weights, EMA, moments) of ``step_dir`` keyed by parameter name, for ``model`` (a stage holds
     part of the whole: its weights and EMA are kept, the moments of every saved parameter come back;
-    ``ema``: whether it keeps one).
+    ``ema``: whether it keeps one; ``trainer_state``: its trainer.pt where the caller has read it, as
+    a replicated one holds the optimizer and is not read twice).
     Stage files of any run, or the replicated files of a full (not LoRA, one-expert) run."""
     fmt = checkpoint_format(step_dir)
     if fmt.weights == "stages":
@@ -82,7 +85,7 @@ def read_by_name(step_dir: Path, model: torch.nn.Module, lora: bool, ema: bool) 
         ema_state = {n: t for n, t in read_folder(step_dir / "ema").items() if n in own}
     with torch.device("meta"):  # the whole model's parameter order, which indexes the saved optimizer
         order = [n for n, p in VideoDiT.from_config(model.config).named_parameters() if p.requires_grad]
-    saved = load_trainer_state(step_dir)["optimizer"]["state"]
+    saved = (trainer_state or load_trainer_state(step_dir))["optimizer"]["state"]
     moments = {order[i]: state for i, state in saved.items()}
     return weights, ema_state, moments
 

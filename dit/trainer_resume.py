@@ -12,10 +12,7 @@ from pathlib import Path
 import torch
 
 from dit.checkpoint import load_weights
-from dit.checkpoint_by_name import (
-    load_by_name,
-    read_by_name,
-)
+from dit.checkpoint_by_name import load_by_name, read_by_name
 from dit.checkpoint_whole import checkpoint_format
 
 

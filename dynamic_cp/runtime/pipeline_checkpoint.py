@@ -163,7 +163,10 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
         )
     model = trainer.model
     names = {id(p): n for n, p in model.named_parameters()}
-    weights, ema, moments = read_by_name(step_dir, model, trainer.lora, trainer.ema is not None)
+    # trainer.pt is read once: a replicated checkpoint's optimizer is in it; stage files come first
+    saved = load_trainer_state(step_dir) if full_files else None
+    weights, ema, moments = read_by_name(step_dir, model, trainer.lora, trainer.ema is not None, saved)
+    saved = saved or load_trainer_state(step_dir)
     held = {names[id(p)] for p in ordered_params(trainer.optimizer)}
     moments = {n: m for n, m in moments.items() if n in held}  # a stage's optimizer holds its blocks'
     if _is_sharded(trainer):
@@ -172,7 +175,6 @@ def resume_pipeline_checkpoint(trainer, step_dir: Path) -> None:
         load_by_name(model, trainer.ema, trainer.optimizer, weights, ema, moments, trainer.lora)
         for part in trainer._zero_parts():
             part.state.clear()  # the live moments are in its inner AdamW (DistributedTrainer.__init__)
-    saved = load_trainer_state(step_dir)
     trainer.lr_schedule.load_state_dict(saved["lr_schedule"])
     # the groups' lr is the schedule's last (the fresh optimizer's is the schedule's step-0 value)
     for group, lr in zip(trainer.optimizer.param_groups, trainer.lr_schedule.get_last_lr()):
